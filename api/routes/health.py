@@ -1,0 +1,35 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from api.deps import RedisDep, SessionDep
+from api.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
+def readyz(session: SessionDep, client: RedisDep) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        session.execute(text("SELECT 1 FROM jobs LIMIT 1"))
+        checks["postgres"] = "ok"
+    except Exception as exc:  # readiness reports, it does not raise
+        checks["postgres"] = f"error: {type(exc).__name__}"
+    try:
+        client.ping()
+        checks["redis"] = "ok"
+    except Exception as exc:
+        checks["redis"] = f"error: {type(exc).__name__}"
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse(Health(status="ok" if ok else "unavailable", checks=checks).model_dump(),
+                        status_code=200 if ok else 503)

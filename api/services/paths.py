@@ -1,0 +1,76 @@
+"""Checks a job's model and data locations against the configured roots and makes them absolute."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from api.settings import ApiSettings
+from trainer.dsconfig import FieldError
+from trainer.spec import JobSpec
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def _under(root: Path, candidate: str) -> Path | None:
+    """The real path of candidate (relative to root, or absolute) if it stays inside root."""
+    path = Path(candidate)
+    full = (path if path.is_absolute() else root / path).resolve()
+    return full if full == root or root in full.parents else None
+
+
+def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -> str | None:
+    root = Path(root_s).resolve()
+    full = _under(root, value)
+    if full is None:
+        errors.append(FieldError(field, f"{value!r} is outside the data root {root}; give a path under it"))
+        return None
+    if not full.is_file():
+        errors.append(FieldError(field, f"{value!r} does not exist under the data root {root}"))
+        return None
+    return str(full)
+
+
+def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
+    """Rewrites spec's model and data locations in place to absolute paths; returns what is wrong."""
+    errors: list[FieldError] = []
+    model_root = Path(settings.model_root).resolve()
+    name = spec.model.name_or_path
+    local = _under(model_root, name)
+    if local is not None and local.is_dir():
+        spec.model.name_or_path = str(local)
+    elif name.startswith(("/", ".", "~")):
+        where = "is outside" if local is None else "does not exist under"
+        errors.append(FieldError("model.name_or_path",
+                                 f"{name!r} {where} the model root {model_root}; give a directory under it"))
+    elif not HUB_ID.match(name):
+        errors.append(FieldError("model.name_or_path",
+                                 f"{name!r} is neither a directory under the model root {model_root} "
+                                 "nor a hub id such as 'org/name'"))
+    elif not settings.allow_hub_models:
+        errors.append(FieldError("model.name_or_path",
+                                 f"{name!r} is not a directory under the model root {model_root}, and hub "
+                                 "models are disabled on this service (FT_ALLOW_HUB_MODELS)"))
+    if spec.model.trust_remote_code:
+        allowed = {m.strip() for m in settings.trust_remote_code_models.split(",") if m.strip()}
+        if name not in allowed:
+            errors.append(FieldError("model.trust_remote_code",
+                                     f"is not allowed for {name!r}: the operator must list the model in "
+                                     "FT_TRUST_REMOTE_CODE_MODELS before its own code may run"))
+    data = spec.data
+    train = _file_under(settings.data_root, data.train, "data.train", errors)
+    if train:
+        data.train = train
+    if data.validation is not None:
+        val = _file_under(settings.data_root, data.validation, "data.validation", errors)
+        if val:
+            data.validation = val
+    ds = spec.deepspeed
+    if ds.nvme_path is not None:
+        full = _under(Path(settings.nvme_root).resolve(), ds.nvme_path)
+        if full is None:
+            errors.append(FieldError("deepspeed.nvme_path",
+                                     f"{ds.nvme_path!r} is outside the NVMe root {settings.nvme_root}"))
+        else:
+            ds.nvme_path = str(full)
+    return errors

@@ -1,0 +1,61 @@
+"""`python -m trainer --spec run.json`: run one attempt of a job and report it as JSON events on stdout.
+
+Exit codes: 0 done (output_dir/COMPLETE written), 1 failed (an `error` event says why), 143 stopped by
+SIGTERM after a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from trainer.errors import Interrupted, TrainerError
+from trainer.events import emit
+from trainer.spec import RunSpec
+
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 143
+
+
+def _error_code(exc: BaseException) -> str:
+    if isinstance(exc, TrainerError):
+        return exc.code
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out_of_memory"
+    return TrainerError.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer")
+    parser.add_argument("--spec", required=True, help="path of a RunSpec JSON file")
+    # The deepspeed launcher appends --local_rank=K; the rank comes from the environment instead.
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        with open(args.spec, encoding="utf-8") as f:
+            run_spec = RunSpec.model_validate_json(f.read())
+    except Exception as exc:
+        emit("error", code="trainer_error", message=f"cannot read run spec {args.spec}: {exc}")
+        return EXIT_FAILED
+
+    from trainer import recipe
+
+    try:
+        recipe.run(run_spec)
+        return 0
+    except Interrupted:
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        emit("error", code=_error_code(exc), message=str(exc) or type(exc).__name__,
+             exception=type(exc).__name__)
+        traceback.print_exc(file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

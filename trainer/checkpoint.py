@@ -1,0 +1,120 @@
+"""Checkpoints that are complete or ignored: a tag dir counts only once rank 0 wrote COMMITTED into it."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.events import emit_rank0
+
+COMMITTED = "COMMITTED"
+STATE_FILE = "trainer_state.json"
+TAG_PREFIX = "step-"
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    epoch: int = 0
+    next_batch: int = 0  # index of the next global batch within `epoch`
+    tokens_seen: int = 0
+    last_loss: float | None = None
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+def committed_tags(checkpoint_dir: Path) -> list[Path]:
+    """Committed tag dirs, oldest first. Uncommitted ones (a crash mid-save) are not checkpoints."""
+    if not checkpoint_dir.is_dir():
+        return []
+    tags = [p for p in checkpoint_dir.iterdir()
+            if p.is_dir() and p.name.startswith(TAG_PREFIX) and (p / COMMITTED).is_file()]
+    return sorted(tags, key=lambda p: p.name)
+
+
+def _rng_state() -> dict[str, Any]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = state["numpy"]
+    np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), *npst[2:]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int) -> Path:
+    """Collective: every rank must call it at the same step."""
+    tag = tag_for(state.step)
+    tag_dir = checkpoint_dir / tag
+    if rank == 0 and tag_dir.exists():
+        # Leftovers of an attempt that died while saving this very step: never mix old and new shards.
+        shutil.rmtree(tag_dir)
+    _barrier()
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"trainer_state": asdict(state)},
+                           save_latest=False)
+    # Each rank keeps its own RNG stream (dropout masks differ per rank).
+    (tag_dir / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
+    if rank == 0:
+        (tag_dir / STATE_FILE).write_text(json.dumps(asdict(state)))
+    _barrier()
+    removed: list[str] = []
+    if rank == 0:
+        (tag_dir / COMMITTED).write_text(json.dumps({"step": state.step}))
+        tags = committed_tags(checkpoint_dir)
+        for old in tags[: max(0, len(tags) - keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(str(old))
+    emit_rank0("checkpoint", step=state.step, path=str(tag_dir), committed=True, removed=removed)
+    # Nobody may start the next save (or exit) before the commit and pruning are done.
+    _barrier()
+    return tag_dir
+
+
+def resume(engine: Any, checkpoint_dir: Path, rank: int) -> TrainerState | None:
+    tags = committed_tags(checkpoint_dir)
+    if not tags:
+        return None
+    tag_dir = tags[-1]
+    load_path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag_dir.name)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {tag_dir}")
+    state = TrainerState(**json.loads((tag_dir / STATE_FILE).read_text()))
+    rng_file = tag_dir / f"rng-rank{rank:05d}.json"
+    if rng_file.is_file():
+        _set_rng_state(json.loads(rng_file.read_text()))
+    return state
+
+
+class StopFlag:
+    """SIGTERM only sets a flag; the loop checkpoints at the next optimizer-step boundary and exits 143."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True

@@ -1,0 +1,231 @@
+"""The training recipe: setup -> resume -> train (eval, checkpoint) -> export -> cleanup."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+
+from trainer import checkpoint, export
+from trainer.checkpoint import StopFlag, TrainerState
+from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
+from trainer.errors import Interrupted
+from trainer.events import emit_rank0
+from trainer.modeling import load_model, load_tokenizer, model_location
+from trainer.schedule import scheduler_factory
+from trainer.spec import RunSpec
+
+# Dense bf16 peak FLOP/s per device, for MFU; an unknown device reports mfu null rather than a guess.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _on_gpu() -> bool:
+    return get_accelerator().device_name() == "cuda"
+
+
+def ds_config(run: RunSpec) -> tuple[dict[str, Any], list[str]]:
+    """The rendered DeepSpeed JSON, plus what had to change for this machine (reported in `started`)."""
+    cfg = copy.deepcopy(run.job.deepspeed_config)
+    adjustments: list[str] = []
+    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if not _on_gpu() and offload == "none" and "optimizer" in cfg:
+        # FusedAdam is CUDA-only; the offload path already uses DeepSpeed's CPU Adam.
+        cfg["optimizer"].setdefault("params", {})["torch_adam"] = True
+        adjustments.append("optimizer.params.torch_adam=true: FusedAdam needs CUDA, this accelerator is "
+                           f"{get_accelerator().device_name()}")
+    return cfg, adjustments
+
+
+def token_loss_sum(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token cross entropy over labelled tokens (the caller divides by the global count)."""
+    labels = batch.pop("labels")
+    out = engine(**batch, use_cache=False)
+    logits = out.logits[:, :-1, :]
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def _to(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _all_reduce_sum(values: list[float], device: str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64 if device == "cpu" else torch.float32, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(engine: Any, blocks: Blocks, micro: int, rank: int, world: int,
+             device: str) -> tuple[float, float]:
+    """Token-weighted loss over all validation rows. Every rank runs the same number of forwards (ZeRO-3
+    gathers parameters collectively), padding its share with weight-0 repeats of row 0."""
+    engine.eval()
+    rows = list(range(rank, len(blocks), world))
+    per_rank = math.ceil(len(blocks) / world)
+    n_micro = math.ceil(per_rank / micro)
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(n_micro):
+            chunk = rows[i * micro:(i + 1) * micro]
+            weight = 1.0 if chunk else 0.0
+            batch = blocks.batch(chunk or [0])
+            n = float((batch["labels"][:, 1:] != IGNORE).sum())
+            total += weight * float(token_loss_sum(engine, _to(batch, device)))
+            count += weight * n
+    engine.train()
+    total, count = _all_reduce_sum([total, count], device)
+    loss = total / max(count, 1.0)
+    return loss, math.exp(min(loss, 50.0))
+
+
+def _flops_per_token(model_config: Any, n_params: int, seq_len: int) -> float:
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    hidden = getattr(model_config, "hidden_size", 0)
+    # 6N for the dense matmuls (forward + backward) plus attention scores/values over the sequence.
+    return 6.0 * n_params + 12.0 * layers * hidden * seq_len
+
+
+def _peak_flops() -> float | None:
+    if not _on_gpu():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+@dataclass
+class Progress:
+    """When to emit `progress`: every step for the first 10, then about once a second, and the last."""
+
+    last_emit: float = 0.0
+    window_tokens: float = 0.0
+    window_start: float = 0.0
+
+    def due(self, step: int, total: int, now: float) -> bool:
+        return step <= 10 or step >= total or now - self.last_emit >= 1.0
+
+
+def run(run_spec: RunSpec) -> None:
+    job, paths = run_spec.job, run_spec.paths
+    spec, hp = job.spec, job.spec.hyperparameters
+    _seed_everything(hp.seed)
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accel = get_accelerator()
+    device = accel.current_device_name()
+    if world != job.world_size:
+        # Batch sizes were resolved for job.world_size; another world size would silently change them.
+        raise RuntimeError(f"launched with {world} processes but the job was resolved for {job.world_size}")
+    stop = StopFlag()
+
+    location = model_location(spec, paths)
+    tokenizer = load_tokenizer(spec, location)
+    train_blocks, val_blocks = load_blocks(spec.data, paths, tokenizer, hp.seq_len, hp.seed)
+    order = BatchOrder(len(train_blocks), micro=job.micro_batch_size, accum=job.gradient_accumulation_steps,
+                       world=world, seed=hp.seed)
+    total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
+
+    model = load_model(spec, location, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cfg, adjustments = ds_config(run_spec)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg,
+        lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
+                                       kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
+
+    ckpt_dir = Path(paths.checkpoint_dir)
+    state = checkpoint.resume(engine, ckpt_dir, rank) or TrainerState()
+    emit_rank0("started", world_size=world, total_steps=total_steps,
+               resumed_from_step=state.step if state.step else None, micro_batch_size=job.micro_batch_size,
+               gradient_accumulation_steps=job.gradient_accumulation_steps,
+               packing_efficiency=round(train_blocks.packing_efficiency, 4), n_params=n_params,
+               n_trainable_params=n_trainable, adjustments=adjustments, device=accel.device_name(),
+               attempt=run_spec.attempt)
+
+    flops_token = _flops_per_token(getattr(model, "config", None), n_params, hp.seq_len)
+    peak = _peak_flops()
+    every = spec.checkpointing.every_steps
+    eval_every = hp.eval_every_steps if val_blocks is not None else None
+    progress = Progress(window_start=time.time())
+    run_start, start_step = time.time(), state.step
+    if accel.device_name() == "cuda":
+        accel.reset_peak_memory_stats()
+
+    while state.step < total_steps:
+        global_rows = order.global_rows(state.epoch, state.next_batch)
+        # Every rank knows the whole global batch, so the token-weighted mean needs no extra collective.
+        label_tokens = int((train_blocks.labels[global_rows, 1:] != IGNORE).sum())
+        real_tokens = int(train_blocks.real_tokens[global_rows].sum())
+        # engine.backward divides by the accumulation steps and gradients are averaged over ranks; this
+        # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
+        scale = order.accum * world / max(1, label_tokens)
+        loss_sum = 0.0
+        for rows in order.micro_rows(state.epoch, state.next_batch, rank):
+            loss = token_loss_sum(engine, _to(train_blocks.batch(rows), device))
+            engine.backward(loss * scale)
+            loss_sum += float(loss.detach())
+            lr = scheduler.get_last_lr()[0]
+            engine.step()
+        state.step += 1
+        state.tokens_seen += real_tokens
+        state.next_batch += 1
+        if state.next_batch >= order.batches_per_epoch:
+            state.epoch, state.next_batch = state.epoch + 1, 0
+        loss_total, stop_votes = _all_reduce_sum([loss_sum, float(stop.requested)], device)
+        state.last_loss = loss_total / max(1, label_tokens)
+        progress.window_tokens += real_tokens
+
+        now = time.time()
+        if progress.due(state.step, total_steps, now):
+            elapsed = max(now - progress.window_start, 1e-9)
+            tps = progress.window_tokens / elapsed
+            per_step = (now - run_start) / max(1, state.step - start_step)
+            grad_norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+            emit_rank0(
+                "progress", step=state.step, total_steps=total_steps,
+                epoch=round(state.epoch + state.next_batch / order.batches_per_epoch, 4),
+                loss=state.last_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
+                tokens_per_second=tps, tokens_seen=state.tokens_seen,
+                eta_seconds=per_step * (total_steps - state.step),
+                peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None,
+                mfu=flops_token * tps / (peak * world) if peak else None)
+            progress.last_emit, progress.window_start, progress.window_tokens = now, now, 0.0
+
+        if eval_every and state.step % eval_every == 0 and state.step < total_steps:
+            loss_v, ppl = evaluate(engine, val_blocks, job.micro_batch_size, rank, world, device)
+            emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
+        if stop_votes > 0:
+            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
+            emit_rank0("interrupted", step=state.step, reason="SIGTERM")
+            raise Interrupted(state.step)
+        if every and state.step % every == 0:
+            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
+
+    if val_blocks is not None:
+        loss_v, ppl = evaluate(engine, val_blocks, job.micro_batch_size, rank, world, device)
+        emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
+    export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
+                  state.last_loss)
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,36 @@
+"""Publishes a job attempt's events into the shared Redis stream, tagged with job and attempt."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from worker.keys import EVENTS_STREAM
+
+# Bounds the live stream; the control plane copies every entry into Postgres long before this trims.
+STREAM_MAXLEN = 200_000
+
+
+class Publisher:
+    def __init__(self, client: redis.Redis, job_id: str, attempt: int) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.attempt = attempt
+
+    def _fields(self, kind: str, data: dict[str, Any]) -> dict[str, str]:
+        return {"job_id": self.job_id, "attempt": str(self.attempt), "type": kind,
+                "ts": repr(time.time()), "data": json.dumps(data, default=str)}
+
+    def emit(self, kind: str, **data: Any) -> None:
+        self.client.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
+
+    def emit_many(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        if not items:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for kind, data in items:
+            pipe.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.execute()

@@ -1,0 +1,25 @@
+"""Worker settings, read from the environment (prefix FT_)."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = None  # defaults to redis_url
+    artifacts_root: str = "./var/artifacts"
+    queues: str = "default"  # comma-separated Celery queues this worker serves
+    heartbeat_seconds: float = 2.0
+    lease_ttl_seconds: float = 10.0
+    poll_seconds: float = 0.2
+    # SIGTERM lets the trainer save a checkpoint before it exits; after this it is killed.
+    term_grace_seconds: float = 30.0
+    python: str | None = None  # interpreter for the launcher; defaults to this one
+    log_tail_lines: int = 40
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or self.redis_url

@@ -1,0 +1,249 @@
+"""Supervises one attempt of a job: spawn the launcher, pump its output, heartbeat, cancel, end it.
+
+Plain code, no Celery, so tests and operators can drive it directly. Everything the attempt says
+goes to Redis tagged (job, attempt); the control plane decides what it means.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker.keys import attempt_key, cancel_key, claim_key, lease_key
+from worker.logpump import LineReader, RankLogTail, parse_trainer_event
+from worker.outcome import Outcome, Status, classify_failure, read_completion
+from worker.publisher import Publisher
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_argv(python: str, num_procs: int, spec_file: Path, log_dir: Path) -> list[str]:
+    """The DeepSpeed launcher running the trainer module on every rank."""
+    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+            "--master_port", str(free_port()), "--enable_each_rank_log", str(log_dir),
+            "--module", "trainer", "--spec", str(spec_file)]
+
+
+def spawn(argv: list[str], *, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+    """Start argv under the guard in a new session: its process group is the job's, to kill at once."""
+    guarded = [sys.executable, "-m", "worker.guard", "--", *argv]
+    return subprocess.Popen(guarded, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_group_gone(pgid: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class Attempt:
+    """The running state of one attempt; `run()` returns how it ended."""
+
+    def __init__(self, *, job_id: str, attempt: int, job_dir: Path, run: dict[str, Any],
+                 settings: WorkerSettings, client: redis.Redis) -> None:
+        self.job_id, self.attempt, self.job_dir = job_id, attempt, job_dir
+        self.run_spec = {**run, "attempt": attempt}
+        self.settings = settings
+        self.r = client
+        self.pub = Publisher(client, job_id, attempt)
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.tail: deque[str] = deque(maxlen=settings.log_tail_lines)
+        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.trainer_error: dict[str, Any] | None = None
+        self.running_reported = False
+
+    # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        try:
+            self.pub.emit_many(self.pending)
+            self.pending = []
+        except redis.RedisError as exc:
+            log.warning("could not publish %d events yet: %s", len(self.pending), exc)
+
+    def control(self) -> str | None:
+        """'stale' or 'cancel' when the control plane wants this attempt gone."""
+        try:
+            current, cancelled = self.r.pipeline(transaction=False).get(attempt_key(self.job_id)).exists(
+                cancel_key(self.job_id)).execute()
+        except redis.RedisError:
+            return None
+        if current is not None and int(current) != self.attempt:
+            return "stale"
+        return "cancel" if cancelled else None
+
+    def heartbeat(self, ttl: float) -> None:
+        try:
+            self.r.set(lease_key(self.job_id, self.attempt), self.worker_id, px=int(ttl * 1000))
+        except redis.RedisError as exc:
+            log.warning("heartbeat failed: %s", exc)
+
+    # -- output ---------------------------------------------------------------------------------
+    def collect(self, reader: LineReader, ranks: RankLogTail, final: bool = False) -> None:
+        for line in reader.take():
+            self.tail.append(line)
+            self.pending.append(("log", {"rank": None, "line": line}))
+        for rank, line in (ranks.close() if final else ranks.poll()):
+            event = parse_trainer_event(line)
+            if event is None:
+                self.tail.append(f"[rank {rank}] {line}")
+                self.pending.append(("log", {"rank": rank, "line": line}))
+                continue
+            kind = str(event.pop("event"))
+            if kind == "error" and self.trainer_error is None:
+                self.trainer_error = event
+            if kind == "started" and not self.running_reported:
+                self.running_reported = True
+                self.pending.append(("state", {"status": "running"}))
+            self.pending.append((kind, event))
+
+    # -- the attempt ----------------------------------------------------------------------------
+    def prepare(self) -> tuple[Path, Path, Path]:
+        attempt_dir = self.job_dir / "attempts" / str(self.attempt)
+        log_dir = attempt_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        output_dir = Path(self.run_spec["paths"]["output_dir"])
+        # A marker left by an earlier attempt must not make this one look finished.
+        (output_dir / "COMPLETE").unlink(missing_ok=True)
+        spec_file = attempt_dir / "spec.json"
+        spec_file.write_text(json.dumps(self.run_spec, indent=2))
+        (attempt_dir / "ds_config.json").write_text(json.dumps(self.run_spec["job"]["deepspeed_config"], indent=2))
+        return spec_file, log_dir, output_dir
+
+    def execute(self) -> Outcome:
+        s = self.settings
+        spec_file, log_dir, output_dir = self.prepare()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+        argv = launcher_argv(s.python or sys.executable, self.run_spec["job"]["world_size"], spec_file, log_dir)
+        self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
+        proc = spawn(argv, env=env, cwd=self.job_dir)
+        pgid = proc.pid
+        reader = LineReader(proc.stdout)  # type: ignore[arg-type]
+        reader.start()
+        ranks = RankLogTail(log_dir)
+        time_limit = self.run_spec["job"]["spec"]["resources"]["time_limit_seconds"]
+        deadline = time.monotonic() + time_limit
+        next_beat = 0.0
+        reason: str | None = None
+        term_at: float | None = None
+        try:
+            while proc.poll() is None:
+                self.collect(reader, ranks)
+                self.flush()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.heartbeat(s.lease_ttl_seconds)
+                    next_beat = now + s.heartbeat_seconds
+                if reason is None:
+                    reason = self.control()
+                    if reason is not None:
+                        kill_group(pgid, signal.SIGKILL)
+                    elif now >= deadline:
+                        reason, term_at = "time_limit", now
+                        kill_group(pgid, signal.SIGTERM)  # the trainer saves a checkpoint on SIGTERM
+                if term_at is not None and now - term_at > s.term_grace_seconds:
+                    kill_group(pgid, signal.SIGKILL)
+                time.sleep(s.poll_seconds)
+        finally:
+            # Whatever happened above, nothing of this attempt may outlive it.
+            kill_group(pgid, signal.SIGKILL)
+            proc.wait()
+            gone = wait_group_gone(pgid, 10)
+        reader.join(timeout=2)
+        self.collect(reader, ranks, final=True)
+        if not gone:
+            self.pending.append(("log", {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
+        return self.decide(reason, proc.returncode, output_dir, time_limit)
+
+    def decide(self, reason: str | None, exit_code: int | None, output_dir: Path, time_limit: int) -> Outcome:
+        if reason == "stale":
+            return Outcome(Status.STALE)
+        if reason == "cancel":
+            return Outcome(Status.CANCELLED)
+        if reason == "time_limit":
+            return Outcome(Status.FAILED, error={
+                "code": "time_limit", "message": f"the job ran past its time limit of {time_limit} s",
+                "log_tail": "\n".join(self.tail)})
+        completion = read_completion(output_dir)
+        if completion is not None:
+            return Outcome(Status.SUCCEEDED, output=completion)
+        return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail)))
+
+    def report(self, outcome: Outcome) -> None:
+        if outcome.status is Status.STALE:
+            return
+        data: dict[str, Any] = {"status": outcome.status.value}
+        if outcome.error:
+            data["error"] = outcome.error
+        if outcome.output:
+            data["output"] = outcome.output
+        self.pending.append(("state", data))
+        for _ in range(30):  # the terminal state must get through; Redis may be restarting
+            self.flush()
+            if not self.pending:
+                break
+            time.sleep(1)
+        # Keep the lease a while: the control plane must ingest the terminal state before it would
+        # take a missing lease for a dead worker.
+        self.heartbeat(self.settings.lease_ttl_seconds * 6)
+
+
+def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,
+              client: redis.Redis | None = None) -> Status:
+    r = client or redis.Redis.from_url(settings.redis_url)
+    current = r.get(attempt_key(job_id))
+    if current is not None and int(current) != attempt:
+        log.info("job %s attempt %s is stale (current %s): nothing to do", job_id, attempt, current)
+        return Status.STALE
+    if not r.set(claim_key(job_id, attempt), f"{socket.gethostname()}:{os.getpid()}", nx=True,
+                 ex=30 * 24 * 3600):
+        log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
+        return Status.STALE
+    att = Attempt(job_id=job_id, attempt=attempt, job_dir=Path(job_dir), run=run, settings=settings, client=r)
+    att.heartbeat(settings.lease_ttl_seconds)
+    if r.exists(cancel_key(job_id)):
+        outcome = Outcome(Status.CANCELLED)
+    else:
+        att.pending.append(("state", {"status": "starting", "worker": att.worker_id}))
+        att.flush()
+        try:
+            outcome = att.execute()
+        except Exception as exc:  # a supervisor bug must still end the job visibly
+            log.exception("supervising job %s failed", job_id)
+            outcome = Outcome(Status.FAILED, error={"code": "worker_error", "message": repr(exc)})
+    att.report(outcome)
+    return outcome.status
