@@ -45,6 +45,8 @@ def apply_state(job: Job, data: dict[str, Any]) -> None:
         job.error = data.get("error")
         if data.get("output"):
             job.output = data["output"]
+        if data.get("usage"):
+            job.progress = {**(job.progress or {}), **data["usage"]}
 
 
 def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ class ApiSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore")
 
     env: str = "development"
-    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/finetune"
     redis_url: str = "redis://127.0.0.1:6379/0"
     broker_url: str | None = None  # defaults to redis_url
     host: str = "127.0.0.1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -125,8 +126,12 @@ def _assert_loads_and_generates(out: Path) -> None:
 def test_zero2_bf16_trains_checkpoints_and_exports(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
     train = tmp_path / "train.txt"
     train.write_text(corpus)
-    rc, events, tail = _launch(_write_run_spec(tmp_path, _job(tiny_model, train)))
+    job = _job(tiny_model, train, data={"validation_fraction": 0.1},
+               hyperparameters={"eval_every_steps": 15})
+    rc, events, tail = _launch(_write_run_spec(tmp_path, job))
     assert rc == 0, tail
+    evals = _of(events, "eval")
+    assert [e["step"] for e in evals] == [15, 30] and evals[-1]["perplexity"] > 1
     started = _of(events, "started")
     assert len(started) == 1 and started[0]["world_size"] == 2 and started[0]["resumed_from_step"] is None
     assert started[0]["total_steps"] == 30 and 0 < started[0]["packing_efficiency"] <= 1
@@ -147,8 +152,6 @@ def test_zero2_bf16_trains_checkpoints_and_exports(tmp_path: Path, tiny_model: P
     assert done["steps"] == 30 and done["output_dir"] == str(out)
     assert not _of(events, "error")
     _assert_loads_and_generates(out)
-    (Path(os.environ["TRAINER_EVENTS_DUMP"]).write_text(json.dumps(events, indent=1))
-     if "TRAINER_EVENTS_DUMP" in os.environ else None)
 
 
 def test_resume_continues_from_committed_checkpoint(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
@@ -166,6 +169,34 @@ def test_resume_continues_from_committed_checkpoint(tmp_path: Path, tiny_model: 
     assert started["resumed_from_step"] == 4
     progress = _of(events, "progress")
     assert progress[0]["step"] == 5 and progress[-1]["step"] == 7
+
+
+def test_sigterm_checkpoints_at_step_boundary_and_exits(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
+    train = tmp_path / "train.txt"
+    train.write_text(corpus)
+    job = _job(tiny_model, train, hyperparameters={"max_steps": 100000}, checkpointing={"every_steps": None})
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+            "--master_port", str(_free_port()), "--module", "trainer", "--spec", str(_write_run_spec(tmp_path, job))]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    events: list[dict[str, Any]] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith('{"event"'):
+                events.append(json.loads(line))
+                if events[-1]["event"] == "progress" and events[-1]["step"] >= 3 and proc.returncode is None:
+                    # What a supervisor does on cancel or time limit: SIGTERM the launcher.
+                    proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (stopped,) = _of(events, "interrupted")
+    (ckpt,) = _of(events, "checkpoint")
+    assert ckpt["step"] == stopped["step"] >= 3
+    assert (Path(ckpt["path"]) / "COMMITTED").is_file()
+    assert proc.returncode != 0 and not _of(events, "completed")
 
 
 def test_zero3_fp32_exports_loadable_model(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
@@ -190,3 +221,104 @@ def test_bad_jsonl_line_is_a_data_error(tmp_path: Path, tiny_model: Path) -> Non
     assert errors[0]["code"] == "data_error"
     assert "line 3" in errors[0]["message"] and str(train) in errors[0]["message"]
     assert not (tmp_path / "job" / "output" / "COMPLETE").exists()
+
+
+# --- Data unit tests: no launcher, just the tokenizer and (for the boundary check) the tiny model. ---
+
+
+def test_packing_restarts_positions_and_keeps_documents_apart(tiny_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.data import IGNORE, encode_text, pack
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    docs = ["The quick brown fox jumps over the lazy dog.", "Return a new list of the items.",
+            "A short one.", "Parse the command line arguments and return them as a namespace object."]
+    examples = [encode_text(tok, d) for d in docs]
+    lengths = [len(ids) for ids, _ in examples]
+    seq_len = 32
+    blocks = pack(examples, seq_len, tok.pad_token_id, packing=True)
+    flat_pos = blocks.position_ids.flatten().tolist()
+    # Each document starts at position 0 (also where it spills into the next block) and counts up.
+    expected: list[int] = []
+    for n in lengths:
+        for i in range(n):
+            expected.append(0 if (len(expected) % seq_len == 0 or i == 0) else expected[-1] + 1)
+    assert flat_pos[: sum(lengths)] == expected
+    assert int(blocks.real_tokens.sum()) == sum(lengths)
+    assert blocks.packing_efficiency == pytest.approx(sum(lengths) / blocks.input_ids.numel())
+    # No target crosses a document boundary, padding is never a target.
+    assert (blocks.labels[blocks.position_ids == 0] == IGNORE).all()
+    assert (blocks.labels.flatten()[sum(lengths):] == IGNORE).all()
+
+    # Numerically: a document packed after another gets the same logits as the document alone.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    first, second = examples[0][0], examples[1][0]
+    packed = pack([(first, first), (second, second)], len(first) + len(second), tok.pad_token_id, True)
+    with torch.no_grad():
+        together = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                         use_cache=False).logits[0, len(first):]
+        alone = model(input_ids=torch.tensor([second])).logits[0]
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_unpacked_rows_are_padded_and_masked(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import IGNORE, encode_text, pack
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    examples = [encode_text(tok, d) for d in ("one small doc", "and another small document here")]
+    blocks = pack(examples, 40, tok.pad_token_id, packing=False)
+    assert blocks.input_ids.shape == (2, 40) and blocks.attention_mask is not None
+    for row, (ids, _) in enumerate(examples):
+        assert blocks.input_ids[row, : len(ids)].tolist() == ids
+        assert blocks.attention_mask[row].sum() == len(ids)
+        assert (blocks.labels[row, len(ids):] == IGNORE).all()
+
+
+@pytest.mark.parametrize("with_template", [False, True])
+def test_chat_labels_only_assistant_turns(tiny_model: Path, with_template: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import IGNORE, encode_chat
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    if with_template:
+        tok.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"},
+                {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three?"},
+                {"role": "assistant", "content": "Six."}]
+    ids, labels = encode_chat(tok, messages)
+    assert len(ids) == len(labels) and ids[-1] == tok.eos_token_id
+    learned = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+    if with_template:
+        assert learned == "[assistant] Four.\n[assistant] Six.\n<|endoftext|>"
+    else:
+        assert learned == "<|assistant|>\nFour.\n<|assistant|>\nSix.\n<|endoftext|>"
+    assert "two plus two" in tok.decode(ids) and "two plus two" not in learned
+
+
+def test_data_errors_name_file_and_line(tmp_path: Path, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import load_blocks
+    from trainer.errors import DataError
+    from trainer.spec import DataSpec, RunPaths
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    paths = RunPaths(job_dir=str(tmp_path), checkpoint_dir=str(tmp_path), output_dir=str(tmp_path))
+    cases = {
+        "missing.jsonl": (None, "does not exist"),
+        "empty.jsonl": ("\n  \n", "is empty"),
+        "nofield.jsonl": ('{"text": "ok"}\n{"body": "no text"}\n', "line 2: missing field 'text'"),
+        "chat.jsonl": ('{"messages": [{"role": "user"}]}\n', "line 1: each message"),
+    }
+    for name, (content, expected) in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content)
+        fmt = "chat" if name.startswith("chat") else "jsonl"
+        with pytest.raises(DataError, match=expected) as info:
+            load_blocks(DataSpec(train=str(tmp_path / name), format=fmt), paths, tok, 32, 0)
+        assert str(tmp_path / name) in str(info.value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -83,6 +84,7 @@ class Attempt:
         self.pending: list[tuple[str, dict[str, Any]]] = []
         self.trainer_error: dict[str, Any] | None = None
         self.running_reported = False
+        self.usage: dict[str, float] = {}
 
     # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
     def flush(self) -> None:
@@ -150,6 +152,8 @@ class Attempt:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
         argv = launcher_argv(s.python or sys.executable, self.run_spec["job"]["world_size"], spec_file, log_dir)
         self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
+        # The worker runs one job at a time, so the growth of its children's CPU time is this job's.
+        before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
         proc = spawn(argv, env=env, cwd=self.job_dir)
         pgid = proc.pid
         reader = LineReader(proc.stdout)  # type: ignore[arg-type]
@@ -183,6 +187,9 @@ class Attempt:
             kill_group(pgid, signal.SIGKILL)
             proc.wait()
             gone = wait_group_gone(pgid, 10)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            self.usage = {"cpu_seconds": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
+                          "wall_seconds": round(time.monotonic() - started, 2)}
         reader.join(timeout=2)
         self.collect(reader, ranks, final=True)
         if not gone:
@@ -206,7 +213,7 @@ class Attempt:
     def report(self, outcome: Outcome) -> None:
         if outcome.status is Status.STALE:
             return
-        data: dict[str, Any] = {"status": outcome.status.value}
+        data: dict[str, Any] = {"status": outcome.status.value, "usage": self.usage}
         if outcome.error:
             data["error"] = outcome.error
         if outcome.output:

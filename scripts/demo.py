@@ -1,0 +1,119 @@
+"""The end-to-end demo: start the stack, submit the demo job over HTTP, follow it, show the result.
+
+`make demo` runs this after installing. It builds a tiny model from a config (byte-level tokenizer,
+no downloads) and local text, starts the API, control plane and one worker, POSTs
+examples/demo-job.json, follows the SSE stream with a progress line, and exits 0 only when the job
+succeeded and its exported model loads and generates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.client import follow, progress_line, submit
+from scripts.corpus import write_corpus
+from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
+
+DEMO_JOB = ROOT / "examples" / "demo-job.json"
+
+
+def prepare_assets(model_root: Path, data_root: Path) -> None:
+    """The demo's model and data, made locally: the paths examples/demo-job.json names."""
+    from trainer.tiny import build_tiny_model
+
+    train, _ = write_corpus(data_root / "demo")
+    model_dir = model_root / "tiny-llama"
+    if not (model_dir / "config.json").is_file():
+        build_tiny_model(model_dir, train.read_text())
+
+
+def check_export(path: str) -> str:
+    """Load the exported model the way a user would and let it write a few tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = tok("Return the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0], skip_special_tokens=True)
+
+
+def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
+    """Submit and follow one job; returns its final state and the figures measured on the way."""
+    t0 = time.monotonic()
+    created = submit(stack.api_url, job)
+    job_id = created["id"]
+    figures: dict[str, Any] = {"job_id": job_id, "first_progress_s": None, "losses": []}
+    if not quiet:
+        print(f"submitted {job_id}: micro batch {created['resolved']['micro_batch_size']} × accumulation "
+              f"{created['resolved']['gradient_accumulation_steps']} × {created['resolved']['world_size']} processes",
+              flush=True)
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if ev["type"] == "progress":
+            if figures["first_progress_s"] is None:
+                figures["first_progress_s"] = time.monotonic() - t0
+            figures["losses"].append(ev.get("loss"))
+            if not quiet:
+                print("\r" + progress_line(job_id, ev).ljust(100), end="", flush=True)
+        elif ev["type"] == "state" and not quiet:
+            print(f"\n[{ev['status']}]" + (f" {ev['error']['code']}: {ev['error']['message']}"
+                                            if ev.get("error") else ""), flush=True)
+        elif ev["type"] == "eval" and not quiet:
+            print(f"\n[eval] step {ev.get('step')} loss {ev.get('loss'):.4f} perplexity {ev.get('perplexity'):.1f}",
+                  flush=True)
+
+    follow(stack.api_url, job_id, on_event)
+    figures["wall_s"] = time.monotonic() - t0
+    figures["job"] = httpx.get(f"{stack.api_url}/jobs/{job_id}", timeout=10).json()
+    return figures
+
+
+def main() -> int:
+    from api.settings import get_settings
+
+    settings = get_settings()
+    model_root, data_root = Path(settings.model_root).resolve(), Path(settings.data_root).resolve()
+    print(f"preparing the demo model under {model_root} and data under {data_root}", flush=True)
+    prepare_assets(model_root, data_root)
+    database_exists_or_create(settings.database_url)
+    env = dict(os.environ)
+    migrate(env)
+    stack = Stack(env, ROOT / "var" / "logs")
+    stack.start_api()
+    stack.start_controlplane()
+    stack.start_worker()
+    try:
+        stack.wait_ready()
+        figures = run_demo(stack, json.loads(DEMO_JOB.read_text()))
+    finally:
+        stack.stop()
+    job = figures["job"]
+    p = job["progress"]
+    losses = [x for x in figures["losses"] if x is not None]
+    print(f"\njob {job['id']} {job['status']} (attempt {job['attempt']}) in {figures['wall_s']:.1f} s")
+    if job["status"] != "succeeded":
+        print(json.dumps(job["error"], indent=2))
+        print(f"logs: curl {stack.api_url}/jobs/{job['id']}/logs  (stack logs in {stack.log_dir})")
+        return 1
+    print(f"  steps {p.get('step')}/{p.get('total_steps')}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+          f"{p.get('tokens_per_second') or 0:,.0f} tokens/s")
+    print(f"  first progress event {figures['first_progress_s']:.1f} s after POST /jobs; "
+          f"job CPU time {p.get('cpu_seconds', 0):.0f} s")
+    print(f"  checkpoints: {[c['step'] for c in job['checkpoints']]}")
+    print(f"  exported model: {job['output']['path']}  ({', '.join(job['output']['files'])})")
+    print(f"  it generates: {check_export(job['output']['path'])!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Starts the service's processes (API, control plane, Celery workers) and stops them all together.
+
+`python -m scripts.stack` runs the whole stack in the foreground (what `make up` does); the demo and
+the tests use the Stack class to do the same from Python. Every address and path comes from the
+FT_* environment, as in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def database_exists_or_create(url: str) -> None:
+    """Create the service's database on first use (a fresh machine has only the default ones)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    admin = f"host={u.host or '127.0.0.1'} port={u.port or 5432} user={u.username or 'postgres'} dbname=postgres"
+    if u.password:
+        admin += f" password={u.password}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (u.database,)).fetchone():
+            conn.execute(f'CREATE DATABASE "{u.database}"')
+
+
+def migrate(env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True)
+
+
+class Stack:
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.env.get('FT_HOST', '127.0.0.1')}:{self.env.get('FT_PORT', '8000')}"
+
+    def _start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        out = (self.log_dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(extra_env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
+        return proc
+
+    def start_api(self) -> None:
+        self._start("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host",
+                            self.env.get("FT_HOST", "127.0.0.1"), "--port", self.env.get("FT_PORT", "8000"),
+                            "--log-level", "warning"])
+
+    def start_controlplane(self) -> None:
+        self._start("controlplane", [sys.executable, "-m", "api.controlplane"])
+
+    def start_worker(self, name: str = "worker1", queues: str | None = None) -> subprocess.Popen[bytes]:
+        queues = queues or self.env.get("FT_QUEUES", "default")
+        # solo pool: the task runs in the worker process itself, one job at a time, and the launcher's
+        # guard watches exactly this process.
+        return self._start(name, [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker",
+                                  "--pool", "solo", "--concurrency", "1", "-Q", queues, "-n", f"{name}@%h",
+                                  "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {self.log_dir / (name + '.log')}")
+            try:
+                if httpx.get(self.api_url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"the API at {self.api_url} was not ready within {timeout} s")
+
+    def stop(self, name: str | None = None, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        names = [name] if name else list(self.procs)
+        for n in names:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(sig)
+        for n in names:
+            try:
+                self.procs[n].wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.procs[n].kill()
+                self.procs[n].wait()
+            del self.procs[n]
+
+
+def main() -> int:
+    env = dict(os.environ)
+    from api.settings import get_settings
+
+    settings = get_settings()
+    database_exists_or_create(settings.database_url)
+    migrate(env)
+    stack = Stack(env, ROOT / "var" / "logs")
+    stack.start_api()
+    stack.start_controlplane()
+    stack.start_worker()
+    stack.wait_ready()
+    print(f"API on {stack.api_url} (docs at {stack.api_url}/docs); logs in {stack.log_dir}; Ctrl-C stops all.",
+          flush=True)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while not stopping:
+            for name, proc in stack.procs.items():
+                if proc.poll() is not None:
+                    print(f"{name} exited with {proc.returncode}; stopping the stack", file=sys.stderr)
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Shared fixtures: a real stack (Postgres, Redis, uvicorn, control plane, Celery worker) per session.
+
+Each session gets its own database and Redis database; each test owns its jobs. Nothing is mocked:
+the worker runs the real DeepSpeed launcher with two CPU processes on a tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from scripts.corpus import write_corpus
+from scripts.stack import Stack, migrate
+from tests.helpers import free_port
+
+PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname=postgres")
+REDIS_DB = int(os.environ.get("FT_TEST_REDIS_DB", "9"))
+
+
+@pytest.fixture(scope="session")
+def database() -> Iterator[str]:
+    name = f"ft_test_{uuid.uuid4().hex[:8]}"
+    try:
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is needed at {PG!r} and is not reachable: {exc}")
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    except redis.ConnectionError as exc:
+        pytest.fail(f"Redis is needed at {url} and is not reachable: {exc}")
+    return url
+
+
+@pytest.fixture(scope="session")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from trainer.tiny import build_tiny_model
+
+    base = tmp_path_factory.mktemp("ft")
+    r = {name: base / name for name in ("models", "data", "artifacts", "logs")}
+    for p in r.values():
+        p.mkdir()
+    train, _ = write_corpus(r["data"] / "corpus", limit_chars=200_000)
+    build_tiny_model(r["models"] / "tiny-llama", train.read_text())
+    return r
+
+
+@pytest.fixture(scope="session")
+def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str, str]:
+    return {
+        "FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_PORT": str(free_port()),
+        "FT_ARTIFACTS_ROOT": str(roots["artifacts"]), "FT_MODEL_ROOT": str(roots["models"]),
+        "FT_DATA_ROOT": str(roots["data"]), "FT_NVME_ROOT": str(roots["artifacts"] / "nvme"),
+        # Short leases so a killed worker is noticed within seconds.
+        "FT_HEARTBEAT_SECONDS": "1", "FT_LEASE_TTL_SECONDS": "3", "FT_LEASE_GRACE_SECONDS": "2",
+        "FT_LOOP_INTERVAL_SECONDS": "0.2", "FT_ENV": "development",
+    }
+
+
+@pytest.fixture(scope="session")
+def stack(stack_env: dict[str, str], roots: dict[str, Path]) -> Iterator[Stack]:
+    env = {**os.environ, **stack_env}
+    migrate(env)
+    s = Stack(stack_env, roots["logs"])
+    s.start_api()
+    s.start_controlplane()
+    s.start_worker("worker1")
+    s.wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def api(stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.api_url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def make_job() -> Callable[..., dict[str, Any]]:
+    def build(**overrides: Any) -> dict[str, Any]:
+        job: dict[str, Any] = {
+            "name": "test",
+            "model": "tiny-llama",
+            "data": {"train": "corpus/train.txt", "validation": "corpus/validation.txt"},
+            "hyperparameters": {"max_steps": 24, "learning_rate": 0.003, "warmup_steps": 2,
+                                "global_batch_size": 8, "seq_len": 64},
+            "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+            "resources": {"num_gpus": 2, "time_limit_seconds": 600},
+            "checkpointing": {"every_steps": 8, "keep_last": 2},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(job.get(key), dict):
+                job[key] = {**job[key], **value}
+            else:
+                job[key] = value
+        return job
+
+    return build

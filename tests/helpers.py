@@ -1,0 +1,49 @@
+"""Helpers the tests share: polling, reading a job's events, finding a job's processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def job_processes(marker: str) -> list[str]:
+    """Command lines of live processes that mention marker (a job's directory or spec file)."""
+    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if marker in line and not line.lstrip().startswith("Z")
+            and "ps -eo" not in line]
+
+
+def events_of(api: httpx.Client, job_id: str, types: list[str] | None = None) -> list[dict[str, Any]]:
+    out, after = [], 0
+    while True:
+        page = api.get(f"/jobs/{job_id}/events", params={"after": after, "limit": 1000, "type": types or []}).json()
+        out += page["data"]
+        after = page["next_after"]
+        if not page["has_more"]:
+            return out
+
+
+def wait_status(api: httpx.Client, job_id: str, statuses: set[str], timeout: float) -> dict[str, Any]:
+    return wait_for(lambda: (j := api.get(f"/jobs/{job_id}").json())["status"] in statuses and j,
+                    timeout, f"job {job_id} to reach {statuses}")

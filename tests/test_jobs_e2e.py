@@ -1,0 +1,137 @@
+"""The whole path against the real stack: POST a job, watch it under the DeepSpeed launcher, get the model."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.client import sse_events
+from tests.helpers import events_of, job_processes, wait_for, wait_status
+
+
+def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make_job: Any) -> None:
+    r = api.post("/jobs", json=make_job(name="happy"))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["attempt"] == 1
+    assert job["resolved"]["micro_batch_size"] * job["resolved"]["gradient_accumulation_steps"] * 2 == 8
+    assert job["resolved"]["deepspeed_config"]["train_batch_size"] == 8
+
+    final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=400)
+    assert final["status"] == "succeeded", final["error"]
+    evs = events_of(api, job["id"])
+    states = [e["status"] for e in evs if e["type"] == "state"]
+    assert states == ["queued", "starting", "running", "succeeded"]
+    assert [e["id"] for e in evs] == list(range(1, len(evs) + 1)), "event ids are ordered with no gap"
+
+    losses = [e["loss"] for e in evs if e["type"] == "progress"]
+    assert len(losses) >= 5
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+    p = final["progress"]
+    assert p["step"] == p["total_steps"] == 24
+    assert p["tokens_per_second"] > 0 and p["loss"] == losses[-1]
+    assert final["started_at"] and final["finished_at"]
+    committed = [c for c in final["checkpoints"] if c["committed"]]
+    assert [c["step"] for c in committed] == [16, 24], final["checkpoints"]
+    assert all((Path(c["path"]) / "COMMITTED").is_file() for c in committed)
+
+    out = final["output"]
+    assert "model.safetensors" in out["files"] and "config.json" in out["files"]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out["path"])
+    model = AutoModelForCausalLM.from_pretrained(out["path"])
+    ids = tok("The module", return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert gen.shape[1] > ids.shape[1]
+
+    logs = api.get(f"/jobs/{job['id']}/logs")
+    assert logs.status_code == 200 and logs.headers["content-type"].startswith("text/plain")
+    assert "[rank 0]" in logs.text and "[rank 1]" in logs.text and "deepspeed.launcher.runner" in logs.text
+    listed = api.get("/jobs", params={"status": "succeeded"}).json()["data"]
+    assert job["id"] in [j["id"] for j in listed]
+    assert final["progress"]["cpu_seconds"] > 0
+    assert not job_processes(final["id"])
+
+
+def test_cancelling_a_running_job_stops_every_process(api: httpx.Client, make_job: Any) -> None:
+    job = api.post("/jobs", json=make_job(name="to-cancel", hyperparameters={"max_steps": 100_000})).json()
+    wait_for(lambda: any(e["type"] == "progress" for e in events_of(api, job["id"], ["progress"])), 180,
+             "the first progress event")
+    assert job_processes(job["id"]), "the trainer should be running"
+    r = api.post(f"/jobs/{job['id']}/cancel")
+    assert r.status_code == 202 and r.json()["status"] == "cancelling"
+    final = wait_status(api, job["id"], {"cancelled", "failed", "succeeded"}, timeout=15)
+    assert final["status"] == "cancelled"
+    wait_for(lambda: not job_processes(job["id"]), 5, "every process of the job to be gone")
+    again = api.post(f"/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
+
+
+def test_killed_worker_is_replaced_and_the_job_resumes_from_its_checkpoint(api: httpx.Client, stack: Any,
+                                                                           make_job: Any) -> None:
+    # Its own queue, so only the workers of this test take the job.
+    spec = make_job(name="resume", hyperparameters={"max_steps": 60}, resources={"queue": "killtest"},
+                    checkpointing={"every_steps": 6, "keep_last": 2})
+    doomed = stack.start_worker("doomed", queues="killtest")
+    job = api.post("/jobs", json=spec).json()
+    ckpt = wait_for(lambda: events_of(api, job["id"], ["checkpoint"]), 240, "a committed checkpoint")[0]
+    attempt1 = f"{job['id']}/attempts/1/spec.json"
+    assert job_processes(attempt1)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    stack.procs.pop("doomed")
+    # The launcher and ranks of the dead worker's attempt go with it.
+    wait_for(lambda: not job_processes(attempt1), 15, "no process of attempt 1 left")
+
+    stack.start_worker("rescuer", queues="killtest")
+    try:
+        final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=400)
+    finally:
+        stack.stop("rescuer")
+    assert final["status"] == "succeeded", final["error"]
+    assert final["attempt"] == 2
+    evs = events_of(api, job["id"])
+    started2 = [e for e in evs if e["type"] == "started" and e["attempt"] == 2]
+    assert started2 and started2[0]["resumed_from_step"] >= ckpt["step"] > 0
+    first_step_2 = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == 2)
+    assert first_step_2 == started2[0]["resumed_from_step"] + 1
+    states = [(e["attempt"], e["status"]) for e in evs if e["type"] == "state"]
+    assert (1, "lost") in states and (2, "queued") in states and states[-1] == (2, "succeeded")
+    assert final["progress"]["step"] == 60
+    assert not job_processes(job["id"])
+
+
+def test_sse_reader_that_reconnects_sees_every_event_exactly_once(api: httpx.Client, stack: Any,
+                                                                   make_job: Any) -> None:
+    job = api.post("/jobs", json=make_job(name="sse", hyperparameters={"max_steps": 12})).json()
+    seen: list[int] = []
+    for ev in sse_events(stack.api_url, job["id"], timeout=120):
+        seen.append(ev["id"])
+        if len(seen) == 3:
+            break  # disconnect mid-stream
+    last = seen[-1]
+    reconnects = 0
+    while True:
+        reconnects += 1
+        batch = []
+        for ev in sse_events(stack.api_url, job["id"], last_event_id=last, timeout=400):
+            batch.append(ev["id"])
+            if len(batch) == 25:
+                break  # and again, while the job is live
+        seen += batch
+        if not batch or len(batch) < 25:
+            break
+        last = batch[-1]
+    final = api.get(f"/jobs/{job['id']}").json()
+    assert final["status"] == "succeeded", final["error"]
+    all_ids = [e["id"] for e in events_of(api, job["id"])]
+    assert reconnects >= 2
+    assert seen == all_ids, "every event once, in order, across reconnects"
