@@ -1,0 +1,16 @@
+# One image for the API, the control plane and the GPU workers. The base carries CUDA's compiler,
+# which DeepSpeed needs to build its fused optimizer kernels on first use.
+ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel
+FROM ${BASE}
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_CUDA_ARCH_LIST="8.0;9.0"
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY api api
+COPY worker worker
+COPY trainer trainer
+COPY migrations migrations
+COPY scripts scripts
+COPY alembic.ini ./
+RUN pip install .
+EXPOSE 8000
+CMD ["uvicorn", "api.main:app", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,45 @@
+# Every target works on a fresh machine with Python 3.10+, PostgreSQL and Redis running.
+# Addresses and paths come from FT_* variables (see README); the defaults suit one machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo up worker migrate test lint compose-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first: the project's torch range then installs nothing bigger.
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.4,<2.15"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Set up everything, start the stack and run a demo fine-tune end to end.
+demo: install
+	$(PY) -m scripts.demo
+
+## Run the stack in the foreground: API (127.0.0.1:8000), control plane and one worker.
+up: install
+	$(PY) -m scripts.stack
+
+## Start one more worker against a running stack (how a GPU node joins); FT_QUEUES picks its queues.
+worker: install
+	$(PY) -m celery -A worker.celery_app:app worker --pool solo --concurrency 1 -Q $${FT_QUEUES:-default} \
+		--without-gossip --without-mingle --loglevel INFO
+
+migrate: install
+	$(PY) -c "from api.settings import get_settings; from scripts.stack import database_exists_or_create as c; c(get_settings().database_url)"
+	$(PY) -m alembic upgrade head
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+## The whole test suite: lint, then every test against real Postgres, Redis, Celery and the launcher.
+test: install lint
+	$(PY) -m pytest -p no:cacheprovider
+
+clean:
+	rm -rf var
