@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,10 +28,19 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 
 
 def job_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention marker (a job's directory or spec file)."""
-    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if marker in line and not line.lstrip().startswith("Z")
-            and "ps -eo" not in line]
+    """Command lines of live (non-zombie) processes that mention marker (a job id or a spec path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # it ended while we looked
+        if marker in cmdline and state != "Z":
+            found.append(f"{proc.name}: {cmdline}")
+    return found
 
 
 def events_of(api: httpx.Client, job_id: str, types: list[str] | None = None) -> list[dict[str, Any]]:

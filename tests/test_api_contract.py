@@ -89,7 +89,8 @@ def test_seed_config_that_adds_up_is_merged_and_resolved(api: httpx.Client, make
     assert r.status_code == 201, r.text
     res = r.json()["resolved"]
     ds = res["deepspeed_config"]
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 1, 4)
+    batch = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
+    assert batch == (4, 1, 4)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert res["spec"]["hyperparameters"]["weight_decay"] == 0.01
     assert res["spec"]["hyperparameters"]["warmup_steps"] == 1000
