@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -177,21 +178,28 @@ def test_sigterm_checkpoints_at_step_boundary_and_exits(tmp_path: Path, tiny_mod
     job = _job(tiny_model, train, hyperparameters={"max_steps": 100000}, checkpointing={"every_steps": None})
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
             "--master_port", str(_free_port()), "--module", "trainer", "--spec", str(_write_run_spec(tmp_path, job))]
+    # Its own session, so the test can signal the launcher and every rank at once, as a supervisor must:
+    # the single-node runner does not forward SIGTERM to the ranks.
     proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    # A hung run must fail the test, not hang it: the stdout loop below only ends at EOF.
+    watchdog = threading.Timer(LAUNCH_TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
     events: list[dict[str, Any]] = []
+    sent = False
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith('{"event"'):
                 events.append(json.loads(line))
-                if events[-1]["event"] == "progress" and events[-1]["step"] >= 3 and proc.returncode is None:
-                    # What a supervisor does on cancel or time limit: SIGTERM the launcher.
-                    proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=LAUNCH_TIMEOUT)
+                if not sent and events[-1]["event"] == "progress" and events[-1]["step"] >= 3:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    sent = True
+        proc.wait(timeout=60)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     (stopped,) = _of(events, "interrupted")
     (ckpt,) = _of(events, "checkpoint")
     assert ckpt["step"] == stopped["step"] >= 3
