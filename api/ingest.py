@@ -65,6 +65,17 @@ def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
         kept.append({"step": data.get("step"), "path": data.get("path"), "committed": bool(data.get("committed")),
                      "attempt": job.attempt, "created_at": _now().isoformat()})
         job.checkpoints = sorted(kept, key=lambda c: c["step"] or 0)
+    elif kind == "resolved":
+        # The trainer measured the device and replaced an estimated micro batch: the job shows what ran.
+        resolved = dict(job.resolved)
+        ds = dict(resolved.get("deepspeed_config", {}))
+        for key, ds_key in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
+                            ("gradient_accumulation_steps", "gradient_accumulation_steps")):
+            if isinstance(data.get(key), int):
+                resolved[key] = ds[ds_key] = data[key]
+        resolved["deepspeed_config"] = ds
+        resolved["notes"] = [*resolved.get("notes", []), str(data.get("reason", ""))]
+        job.resolved = resolved
     elif kind == "completed":
         job.output = {**(job.output or {}), **{k: v for k, v in data.items() if k not in ("ts", "rank")}}
 

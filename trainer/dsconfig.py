@@ -446,7 +446,9 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
         notes.append(f"checkpointing.every_steps {ck.every_steps} > max_steps {hp.max_steps}: only the final export")
     if errors:
         raise SpecError(errors)
+    auto = hp.micro_batch_size == AUTO and raw_batch["train_micro_batch_size_per_gpu"] is None \
+        and raw_batch["gradient_accumulation_steps"] is None
     hp.micro_batch_size = m
     hp.global_batch_size = g
     return ResolvedJob(spec=spec, world_size=world, micro_batch_size=m, gradient_accumulation_steps=a,
-                       deepspeed_config=render(spec, g, m, a, merger), notes=notes)
+                       deepspeed_config=render(spec, g, m, a, merger), notes=notes, micro_batch_auto=auto)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer.errors import ModelLoadError
 from trainer.spec import JobSpec, RunPaths
@@ -41,10 +41,18 @@ def load_tokenizer(spec: JobSpec, location: str) -> PreTrainedTokenizerBase:
 def load_model(spec: JobSpec, location: str, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     # Loading in the training precision halves host memory for bf16 jobs; DeepSpeed keeps fp32 masters anyway.
     dtype = DTYPES[spec.deepspeed.precision]
+    m = spec.model
+    attn = "sdpa" if m.attn_implementation == "auto" else m.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            location, revision=spec.model.revision, trust_remote_code=spec.model.trust_remote_code,
-            dtype=dtype, attn_implementation="sdpa")
+        if m.init == "random":
+            config = AutoConfig.from_pretrained(location, revision=m.revision, trust_remote_code=m.trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                     trust_remote_code=m.trust_remote_code)
+        else:
+            # safetensors only: pickled weight files from elsewhere could run code when loaded.
+            model = AutoModelForCausalLM.from_pretrained(
+                location, revision=m.revision, trust_remote_code=m.trust_remote_code, dtype=dtype,
+                attn_implementation=attn, use_safetensors=True)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model from {location!r}: {exc}") from exc
     if model.config.pad_token_id is None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export
+from trainer import checkpoint, export, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -138,14 +138,21 @@ def run(run_spec: RunSpec) -> None:
     location = model_location(spec, paths)
     tokenizer = load_tokenizer(spec, location)
     train_blocks, val_blocks = load_blocks(spec.data, paths, tokenizer, hp.seq_len, hp.seed)
-    order = BatchOrder(len(train_blocks), micro=job.micro_batch_size, accum=job.gradient_accumulation_steps,
-                       world=world, seed=hp.seed)
-    total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
-
     model = load_model(spec, location, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg, adjustments = ds_config(run_spec)
+    micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
+    if job.micro_batch_auto and _on_gpu() and spec.deepspeed.zero_stage < 3:
+        # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
+        micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
+        accum = hp.global_batch_size // (micro * world)
+        cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
+        emit_rank0("resolved", micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
+    if tuning.should_compile(job, _on_gpu()):
+        adjustments.append(f"torch.compile on {tuning.compile_blocks(model)} transformer blocks")
+    order = BatchOrder(len(train_blocks), micro=micro, accum=accum, world=world, seed=hp.seed)
+    total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg,
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
@@ -154,8 +161,8 @@ def run(run_spec: RunSpec) -> None:
     ckpt_dir = Path(paths.checkpoint_dir)
     state = checkpoint.resume(engine, ckpt_dir, rank) or TrainerState()
     emit_rank0("started", world_size=world, total_steps=total_steps,
-               resumed_from_step=state.step if state.step else None, micro_batch_size=job.micro_batch_size,
-               gradient_accumulation_steps=job.gradient_accumulation_steps,
+               resumed_from_step=state.step if state.step else None, micro_batch_size=micro,
+               gradient_accumulation_steps=accum,
                packing_efficiency=round(train_blocks.packing_efficiency, 4), n_params=n_params,
                n_trainable_params=n_trainable, adjustments=adjustments, device=accel.device_name(),
                attempt=run_spec.attempt)
@@ -177,11 +184,11 @@ def run(run_spec: RunSpec) -> None:
         # engine.backward divides by the accumulation steps and gradients are averaged over ranks; this
         # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
         scale = order.accum * world / max(1, label_tokens)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for rows in order.micro_rows(state.epoch, state.next_batch, rank):
             loss = token_loss_sum(engine, _to(train_blocks.batch(rows), device))
             engine.backward(loss * scale)
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().float()  # no host sync per micro batch
             lr = scheduler.get_last_lr()[0]
             engine.step()
         state.step += 1
@@ -189,7 +196,7 @@ def run(run_spec: RunSpec) -> None:
         state.next_batch += 1
         if state.next_batch >= order.batches_per_epoch:
             state.epoch, state.next_batch = state.epoch + 1, 0
-        loss_total, stop_votes = _all_reduce_sum([loss_sum, float(stop.requested)], device)
+        loss_total, stop_votes = _all_reduce_sum([float(loss_sum), float(stop.requested)], device)
         state.last_loss = loss_total / max(1, label_tokens)
         progress.window_tokens += real_tokens
 
@@ -210,7 +217,7 @@ def run(run_spec: RunSpec) -> None:
             progress.last_emit, progress.window_start, progress.window_tokens = now, now, 0.0
 
         if eval_every and state.step % eval_every == 0 and state.step < total_steps:
-            loss_v, ppl = evaluate(engine, val_blocks, job.micro_batch_size, rank, world, device)
+            loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
             emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
         if stop_votes > 0:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
@@ -220,7 +227,7 @@ def run(run_spec: RunSpec) -> None:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
 
     if val_blocks is not None:
-        loss_v, ppl = evaluate(engine, val_blocks, job.micro_batch_size, rank, world, device)
+        loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
         emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
     export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
                   state.last_loss)

@@ -21,6 +21,9 @@ class ModelSpec(_Strict):
     name_or_path: str = Field(min_length=1, max_length=500)
     revision: str | None = Field(default=None, max_length=200)
     trust_remote_code: bool = False
+    init: Literal["pretrained", "random"] = Field(
+        default="pretrained", description="random: the model's config with freshly initialised weights")
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
 
 
 class DataSpec(_Strict):
@@ -42,9 +45,9 @@ class Hyperparameters(_Strict):
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     adam_betas: tuple[float, float] = (0.9, 0.95)
     gradient_clipping: float = Field(default=1.0, ge=0.0)
-    global_batch_size: int = Field(default=8, ge=1, le=1_000_000)
+    global_batch_size: int = Field(default=32, ge=1, le=1_000_000)
     micro_batch_size: int | Literal["auto"] = "auto"
-    seq_len: int = Field(default=512, ge=8, le=131_072)
+    seq_len: int = Field(default=2048, ge=8, le=131_072)
     seed: int = Field(default=42, ge=0)
     eval_every_steps: int | None = Field(default=None, ge=1)
 
@@ -63,6 +66,8 @@ class DeepSpeedOptions(_Strict):
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = Field(default=None, description="Directory under the NVMe root for offload")
     activation_checkpointing: bool = False
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto", description="torch.compile each transformer block; auto: on CUDA with ZeRO 0-2")
     config: dict[str, Any] | None = Field(
         default=None, description="A raw DeepSpeed config, checked field by field and merged"
     )
@@ -137,6 +142,8 @@ class ResolvedJob(_Strict):
     gradient_accumulation_steps: int
     deepspeed_config: dict[str, Any]
     notes: list[str] = Field(default_factory=list)
+    # True when the micro batch came from an estimate: a trainer on a GPU replaces it with a measured choice.
+    micro_batch_auto: bool = False
 
 
 class RunPaths(_Strict):

@@ -1,0 +1,161 @@
+"""Shared pieces of the trainer tests: a tiny model, local text, run specs, and the real `deepspeed` launcher.
+
+Test modules import the fixtures (`corpus`, `tiny_model`) by name so pytest finds them there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Plain `pytest` does not put the repo root on sys.path (tests/ has no package); the trainer lives there.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+LAUNCH_TIMEOUT = 300
+
+Event = dict[str, Any]
+
+
+def corpus_text() -> str:
+    """Real English text with no download: the docstrings of some standard-library modules."""
+    import argparse
+    import collections
+    import json as json_mod
+    import pathlib
+    import random
+    import re
+    import textwrap
+
+    docs: list[str] = []
+    for mod in (argparse, collections, json_mod, pathlib, random, re, textwrap):
+        for obj in (mod, *[getattr(mod, n) for n in dir(mod) if not n.startswith("_")]):
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 80 and doc not in docs:
+                docs.append(doc)
+    return "\n\n".join(docs)
+
+
+@pytest.fixture(scope="session")
+def corpus() -> str:
+    return corpus_text()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
+    from trainer.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", corpus)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_run_spec(tmp: Path, job: dict[str, Any], *, job_dir: Path | None = None) -> Path:
+    from trainer.dsconfig import resolve
+    from trainer.spec import JobSpec, RunPaths, RunSpec
+
+    job_dir = job_dir or tmp / "job"
+    resolved = resolve(JobSpec.model_validate(job))
+    run = RunSpec(job=resolved, paths=RunPaths(job_dir=str(job_dir), checkpoint_dir=str(job_dir / "checkpoints"),
+                                               output_dir=str(job_dir / "output")))
+    path = tmp / f"run-{len(list(tmp.glob('run-*.json')))}.json"
+    path.write_text(run.model_dump_json(indent=2))
+    return path
+
+
+def make_job(model: Path, train: Path, **overrides: Any) -> dict[str, Any]:
+    """A small ZeRO-2 bf16 job on two processes; each override dict is merged into its section."""
+    job: dict[str, Any] = {
+        "model": str(model),
+        "data": {"train": str(train), "format": "text"},
+        "hyperparameters": {"max_steps": 30, "learning_rate": 3e-3, "warmup_steps": 3, "global_batch_size": 8,
+                            "micro_batch_size": 2, "seq_len": 64, "seed": 7},
+        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "resources": {"num_gpus": 2},
+        "checkpointing": {"every_steps": 10, "keep_last": 2},
+    }
+    for key, value in overrides.items():
+        job[key] = {**job[key], **value} if isinstance(value, dict) and key in job else value
+    return job
+
+
+def parse_event(line: str) -> Event | None:
+    # DeepSpeed and torch log free text to the same stdout; an event is the JSON object on its line.
+    start = line.find('{"event"')
+    if start < 0:
+        return None
+    try:
+        return json.loads(line[start:])
+    except json.JSONDecodeError:
+        return None
+
+
+def launch(spec_path: Path, *,
+           on_event: Callable[[Event, subprocess.Popen[str]], None] | None = None) -> tuple[int, list[Event], str]:
+    """Run the trainer under the real launcher; returns (exit code, events, tail of stdout + stderr).
+
+    The launcher gets its own session so `on_event` can signal it and every rank at once (`os.killpg`), as a
+    supervisor must: the single-node runner does not forward SIGTERM to the ranks.
+    """
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+            "--master_port", str(free_port()), "--module", "trainer", "--spec", str(spec_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    events: list[Event] = []
+    lines: list[str] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+        # A hung run must fail the test, not hang it: the stdout loop below only ends at EOF.
+        watchdog = threading.Timer(LAUNCH_TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                event = parse_event(line)
+                if event is not None:
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(event, proc)
+            proc.wait(timeout=60)
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.seek(0)
+        tail = "".join(lines)[-4000:] + err.read()[-4000:]
+    return proc.returncode, events, tail
+
+
+def of(events: list[Event], kind: str) -> list[Event]:
+    return [e for e in events if e["event"] == kind]
+
+
+def assert_loads_and_generates(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = tok("Return a new", return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert gen.shape[1] == ids["input_ids"].shape[1] + 8
+    assert isinstance(tok.decode(gen[0, ids["input_ids"].shape[1]:]), str)
