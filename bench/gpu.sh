@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs GPU benchmark stages on the device machine; each prints one JSON line into $OUT/results.jsonl.
+#   bash bench/gpu.sh setup trainer_gpt2 trainer_llama1b_z2 ...
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+run() {  # name timeout cmd...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))" | tee -a "$OUT/log.txt"
+  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  local rc=$?
+  grep -h '^{"recipe"' "$OUT/$name.out" | tee -a "$OUT/results.jsonl"
+  [ $rc -eq 0 ] || { echo "$name exited $rc"; tail -c 1500 "$OUT/$name.err"; } | tee -a "$OUT/log.txt"
+}
+L="python3 -m deepspeed.launcher.runner --num_gpus 1"
+for stage in "$@"; do
+  case $stage in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
+      python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" | tee -a "$OUT/log.txt" ;;
+    seed) run seed 400 $L bench/seed_recipe.py --steps 30 ;;
+    hf_llama1b) run hf_llama1b 400 $L bench/hf_trainer_ref.py --model llama1b --micro 8 --steps 25 ;;
+    trainer_gpt2) run trainer_gpt2 400 python3 -m bench.run_trainer --model gpt2 --steps 30 --label trainer_defaults ;;
+    trainer_llama1b_z2) run trainer_llama1b_z2 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 ;;
+    trainer_llama1b_z3) run trainer_llama1b_z3 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 ;;
+    trainer_llama1b_z2_nocompile) run trainer_llama1b_z2_nocompile 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --compile off ;;
+    trainer_llama1b_z2_flex) run trainer_llama1b_z2_flex 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --attn flex_attention ;;
+    mem_*)  # mem_<model>_<z>_<offload>[_lora]: does a full step fit? (activation checkpointing, micro 1)
+      IFS=_ read -r _ model z off lora <<< "$stage"
+      extra=""; [ "${lora:-}" = lora ] && extra="--lora"
+      run "$stage" 600 python3 -m bench.run_trainer --model "$model" --zero "$z" --offload "$off" --ckpt --micro 1 \
+        --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

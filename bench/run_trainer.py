@@ -1,0 +1,128 @@
+"""Runs this service's trainer (`python -m trainer` under the DeepSpeed launcher) on a benchmark shape.
+
+Builds the job the way the API does (JobSpec -> resolve -> RunSpec), runs the real launcher, reads the
+trainer's JSON events and prints one JSON line: real tokens/s in steady state, MFU counted on real
+tokens against 989 TFLOP/s (6N + 12·L·H·seq per token, the reference scripts' formula), peak memory.
+
+  python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --work /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.shapes import model_config
+from bench.synthetic import write_documents, write_model_dir
+from trainer.dsconfig import ResolveLimits, resolve
+from trainer.spec import JobSpec, RunSpec
+
+PEAK = 989e12
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_run(a: argparse.Namespace, work: Path) -> Path:
+    model_dir = write_model_dir(work / "models" / a.model, model_config(a.model))
+    data = work / "data" / f"docs-{a.tokens}.txt"
+    if not data.exists():
+        write_documents(data, a.tokens)
+    job: dict[str, Any] = {
+        "name": f"bench-{a.model}", "model": {"name_or_path": str(model_dir), "init": "random",
+                                               "attn_implementation": a.attn},
+        "data": {"train": str(data), "format": "text"},
+        "hyperparameters": {"max_steps": a.steps, "seq_len": a.seq, "global_batch_size": a.global_batch,
+                            "micro_batch_size": a.micro if a.micro == "auto" else int(a.micro),
+                            "learning_rate": 1e-4, "weight_decay": 0.01},
+        "deepspeed": {"zero_stage": a.zero, "precision": a.precision, "offload_optimizer": a.offload,
+                      "activation_checkpointing": a.ckpt, "compile": a.compile},
+        "resources": {"num_gpus": a.gpus},
+    }
+    if a.lora:
+        job["lora"] = {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
+    resolved = resolve(JobSpec.model_validate(job), limits=ResolveLimits())
+    tag = f"{a.model}-z{a.zero}-{a.precision}-{a.offload}-{'lora' if a.lora else 'full'}"
+    job_dir = work / "jobs" / tag
+    run = RunSpec(job=resolved, paths={"job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "ckpt"),
+                                       "output_dir": str(job_dir / "out")})
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec = job_dir / "spec.json"
+    spec.write_text(run.model_dump_json(indent=2))
+    return spec
+
+
+def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    progress = [e for e in events if e.get("event") == "progress"]
+    started = next((e for e in events if e.get("event") == "started"), {})
+    steady = [e for e in progress if e["step"] >= skip]
+    out: dict[str, Any] = {"steps": progress[-1]["step"] if progress else 0,
+                           "micro_batch_size": started.get("micro_batch_size"),
+                           "gradient_accumulation_steps": started.get("gradient_accumulation_steps"),
+                           "packing_efficiency": started.get("packing_efficiency"),
+                           "params_M": round((started.get("n_params") or 0) / 1e6, 1),
+                           "adjustments": started.get("adjustments")}
+    if len(steady) >= 2:
+        first, last = steady[0], steady[-1]
+        tps = (last["tokens_seen"] - first["tokens_seen"]) / (last["ts"] - first["ts"])
+        out["real_tokens_per_s"] = round(tps)
+        out["mfu_real_pct"] = round(100 * tps * (last["mfu"] or 0) / max(last["tokens_per_second"], 1e-9), 2) \
+            if last.get("mfu") else None
+        out["peak_gpu_GiB"] = round((last.get("peak_memory_bytes") or 0) / 2**30, 2)
+        out["final_loss"] = round(last["loss"], 4)
+    resolved = next((e for e in events if e.get("event") == "resolved"), None)
+    if resolved:
+        out["auto_reason"] = resolved.get("reason")
+    err = next((e for e in events if e.get("event") == "error"), None)
+    if err:
+        out["error"] = f"{err.get('code')}: {str(err.get('message'))[:300]}"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama1b")
+    p.add_argument("--zero", type=int, default=2)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--offload", default="none")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro", default="auto")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=8, help="steps excluded from the steady state (warm-up, compile)")
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--compile", default="auto")
+    p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--work", default="/tmp/bench")
+    p.add_argument("--label", default="trainer")
+    a = p.parse_args()
+    spec = build_run(a, Path(a.work))
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.gpus), "--module", "trainer",
+            "--spec", str(spec)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.time()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    events = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass
+    row = {"recipe": a.label, "model": a.model, "zero": a.zero, "precision": a.precision, "offload": a.offload,
+           "lora": a.lora, "seq": a.seq, "global_batch": a.global_batch, "activation_checkpointing": a.ckpt,
+           "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip)}
+    print(json.dumps(row), flush=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    main()
