@@ -340,7 +340,9 @@ def _resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], 
         return implied, m, a
 
     if g % world:
-        errors.append(FieldError("hyperparameters.global_batch_size",
+        # Name the field the user wrote: the raw config's value wins over the job's when both are given.
+        field = "deepspeed.config.train_batch_size" if g_raw is not None else "hyperparameters.global_batch_size"
+        errors.append(FieldError(field,
                                  f"{g} is not divisible by the number of processes ({world}); "
                                  f"use a multiple of {world}"))
         return g, 1, 1
@@ -348,7 +350,9 @@ def _resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], 
     if m is not None:
         if per_rank % m:
             ok = [d for d in _divisors_desc(per_rank)][:4]
-            errors.append(FieldError("hyperparameters.micro_batch_size",
+            field = ("deepspeed.config.train_micro_batch_size_per_gpu" if m_raw is not None
+                     else "hyperparameters.micro_batch_size")
+            errors.append(FieldError(field,
                                      f"{m} does not divide the per-process batch {per_rank} "
                                      f"(global {g} / {world} processes); accepted: "
                                      f"{', '.join(map(str, ok))} or \"auto\""))
@@ -433,8 +437,10 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
                 "deepspeed.config.zero_optimization.offload_param",
                 f"needs ZeRO stage 3 (got stage {ds.zero_stage}): only stage 3 partitions parameters; "
                 "set zero_optimization.stage to 3 or remove offload_param"))
-        if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
-            errors.append(FieldError("deepspeed.config.zero_optimization", 'offload to "nvme" needs nvme_path'))
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(ds, key) == "nvme" and not ds.nvme_path:
+                errors.append(FieldError(f"deepspeed.config.zero_optimization.{key}.nvme_path",
+                                         'offload to "nvme" needs nvme_path, a directory under the NVMe root'))
     world = spec.resources.num_gpus
     g, m, a = _resolve_batch(spec, world, raw_batch, limits, errors, notes)
     hp = spec.hyperparameters

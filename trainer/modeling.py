@@ -46,8 +46,10 @@ def load_model(spec: JobSpec, location: str, tokenizer: PreTrainedTokenizerBase)
     try:
         if m.init == "random":
             config = AutoConfig.from_pretrained(location, revision=m.revision, trust_remote_code=m.trust_remote_code)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
-                                                     trust_remote_code=m.trust_remote_code)
+            # Initialised on the GPU when there is one: random init of billions of weights on the host is slow.
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=m.trust_remote_code)
         else:
             # safetensors only: pickled weight files from elsewhere could run code when loaded.
             model = AutoModelForCausalLM.from_pretrained(

@@ -143,7 +143,7 @@ def run(run_spec: RunSpec) -> None:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg, adjustments = ds_config(run_spec)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
-    if job.micro_batch_auto and _on_gpu() and spec.deepspeed.zero_stage < 3:
+    if job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
         micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
         accum = hp.global_batch_size // (micro * world)

@@ -35,6 +35,12 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return count
 
 
+def fits_unsharded(model: torch.nn.Module) -> bool:
+    """The probe runs the whole model on one GPU; with ZeRO-3 that is only possible for models that fit."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * weights < 0.5 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def optimizer_bytes(job: ResolvedJob, n_trainable: int) -> float:
     """GPU bytes DeepSpeed will add for the optimizer once training starts (the probe does not see them)."""
     ds = job.spec.deepspeed

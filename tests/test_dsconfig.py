@@ -1,0 +1,291 @@
+"""Resolving jobs and raw DeepSpeed configs into the rendered DeepSpeed JSON: pure Python, no launcher.
+
+Good configs must resolve with no "auto" left and the batch triple DeepSpeed will check; bad ones must raise
+SpecError naming exactly the fields to fix.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from trainer.dsconfig import DANGEROUS_KEYS, SpecError, resolve
+from trainer.spec import JobSpec
+
+
+def _job(config: dict[str, Any] | None = None, *, num_gpus: int = 1, **sections: Any) -> JobSpec:
+    job: dict[str, Any] = {"model": "org/model", "data": {"train": "train.txt"}, "resources": {"num_gpus": num_gpus},
+                           **sections}
+    if config is not None:
+        job["deepspeed"] = {**job.get("deepspeed", {}), "config": config}
+    return JobSpec.model_validate(job)
+
+
+def _autos(value: Any, path: str = "") -> list[str]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _autos(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _autos(v, f"{path}[{i}]")]
+    return [path] if isinstance(value, str) and value.lower() == "auto" else []
+
+
+def _triple(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    return cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+
+
+def _error_fields(spec: JobSpec) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        resolve(spec)
+    return [e.field for e in info.value.errors]
+
+
+# The config of the seed document (a 1-GPU tutorial), minus its offload_param, which needs ZeRO-3.
+SEED_CONFIG: dict[str, Any] = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.0001, "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.0001, "warmup_num_steps": 1000}},
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": 5e8,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "allgather_partitions": True,
+    },
+    "gradient_clipping": 1.0,
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": False,
+}
+
+# What Hugging Face's Trainer integration documents: every value "auto", filled from the training arguments.
+HF_AUTO_CONFIG: dict[str, Any] = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                             "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def _deepspeed_accepts(cfg: dict[str, Any]) -> None:
+    """DeepSpeed's own parser (world size 1 without a process group) must accept the rendered JSON."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig(copy.deepcopy(cfg))
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
+            parsed.gradient_accumulation_steps) == _triple(cfg)
+    assert parsed.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+def test_seed_document_config_resolves() -> None:
+    resolved = resolve(_job(SEED_CONFIG))
+    cfg, hp, ds = resolved.deepspeed_config, resolved.spec.hyperparameters, resolved.spec.deepspeed
+    assert _autos(cfg) == [] and _triple(cfg) == (4, 1, 4)
+    assert (resolved.micro_batch_size, resolved.gradient_accumulation_steps) == (1, 4)
+    assert hp.learning_rate == 1e-4 and hp.weight_decay == 0.01 and hp.warmup_steps == 1000
+    assert hp.lr_schedule == "constant"  # WarmupLR: warm up, then hold
+    assert ds.zero_stage == 2 and ds.offload_optimizer == "cpu" and ds.precision == "bf16"  # fp16 "auto"
+    assert cfg["optimizer"]["params"]["lr"] == 1e-4 and cfg["optimizer"]["params"]["weight_decay"] == 0.01
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 5e8 and cfg["steps_per_print"] == 2000
+    assert "scheduler" not in cfg and "fp16" not in cfg and cfg["bf16"] == {"enabled": True}
+    _deepspeed_accepts(cfg)
+
+
+def test_hf_all_auto_config_resolves_from_the_job() -> None:
+    spec = _job(HF_AUTO_CONFIG, hyperparameters={"learning_rate": 2e-4, "global_batch_size": 16, "seq_len": 1024,
+                                                 "gradient_clipping": 0.5, "warmup_steps": 10})
+    resolved = resolve(spec)
+    cfg, hp, ds = resolved.deepspeed_config, resolved.spec.hyperparameters, resolved.spec.deepspeed
+    assert _autos(cfg) == [], _autos(cfg)
+    # micro auto: the largest divisor of 16 with micro x 1024 tokens within the 16384-token budget.
+    assert _triple(cfg) == (16, 16, 1)
+    assert cfg["optimizer"]["params"]["lr"] == 2e-4 and cfg["gradient_clipping"] == 0.5
+    assert hp.warmup_steps == 10 and hp.lr_schedule == "linear"  # WarmupDecayLR
+    assert ds.zero_stage == 3 and ds.offload_optimizer == "cpu" and ds.offload_param == "cpu"
+    zero = cfg["zero_optimization"]
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True and zero["sub_group_size"] == 1e9
+    assert "reduce_bucket_size" not in zero and "stage3_prefetch_bucket_size" not in zero
+    assert "scheduler" not in cfg
+    _deepspeed_accepts(cfg)
+
+
+def test_plain_job_resolves_with_defaults() -> None:
+    resolved = resolve(_job(num_gpus=2, hyperparameters={"global_batch_size": 32, "seq_len": 2048}))
+    cfg = resolved.deepspeed_config
+    assert _autos(cfg) == [] and "scheduler" not in cfg
+    # 16 rows per process; 8 x 2048 tokens fill the 16384-token budget.
+    assert _triple(cfg) == (32, 8, 2)
+    assert resolved.world_size == 2 and resolved.spec.hyperparameters.micro_batch_size == 8
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"] == {"enabled": True}
+    single = resolve(_job()).deepspeed_config
+    _deepspeed_accepts(single)
+
+
+BAD_CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    # -- contradictions --
+    "batch triple does not multiply out": (
+        {"num_gpus": 2, "config": {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                                   "gradient_accumulation_steps": 2}},
+        ["deepspeed.config.train_batch_size"]),
+    "raw batch vs explicit global batch": (
+        {"hyperparameters": {"global_batch_size": 8}, "config": {"train_batch_size": 16}},
+        ["deepspeed.config.train_batch_size"]),
+    "raw lr vs explicit learning_rate": (
+        {"hyperparameters": {"learning_rate": 1e-4}, "config": {"optimizer": {"type": "AdamW",
+                                                                              "params": {"lr": 3e-4}}}},
+        ["deepspeed.config.optimizer.params.lr"]),
+    "raw stage 2 with offload_param": (
+        {"config": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}},
+        ["deepspeed.config.zero_optimization.offload_param"]),
+    "raw stage vs explicit zero_stage": (
+        {"deepspeed": {"zero_stage": 3}, "config": {"zero_optimization": {"stage": 1}}},
+        ["deepspeed.config.zero_optimization.stage"]),
+    "micro does not divide the per-rank batch": (
+        {"num_gpus": 2, "hyperparameters": {"global_batch_size": 8, "micro_batch_size": 3}},
+        ["hyperparameters.micro_batch_size"]),
+    "raw micro does not divide the per-rank batch": (
+        {"num_gpus": 2, "hyperparameters": {"global_batch_size": 8},
+         "config": {"train_micro_batch_size_per_gpu": 3}},
+        ["deepspeed.config.train_micro_batch_size_per_gpu"]),
+    "global batch not divisible by processes": (
+        {"num_gpus": 2, "hyperparameters": {"global_batch_size": 9}},
+        ["hyperparameters.global_batch_size"]),
+    "raw global batch not divisible by processes": (
+        {"num_gpus": 2, "config": {"train_batch_size": 9}},
+        ["deepspeed.config.train_batch_size"]),
+    "warmup longer than the run": (
+        {"hyperparameters": {"max_steps": 10},
+         "config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}}},
+        ["hyperparameters.warmup_steps"]),
+    # -- dangerous or unknown --
+    **{f"dangerous {key}": ({"config": {key: {"enabled": True}}}, [f"deepspeed.config.{key}"])
+       for key in ("flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "autotuning")},
+    "nvme optimizer offload without nvme_path": (
+        {"config": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}},
+        ["deepspeed.config.zero_optimization.offload_optimizer.nvme_path"]),
+    "nvme param offload without nvme_path": (
+        {"config": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}},
+        ["deepspeed.config.zero_optimization.offload_param.nvme_path"]),
+    "misspelt top-level key": (
+        {"config": {"trian_batch_size": 8}},
+        ["deepspeed.config.trian_batch_size"]),
+    "unknown zero key": (
+        {"config": {"zero_optimization": {"stage": 2, "stage3_prefech_bucket_size": 10}}},
+        ["deepspeed.config.zero_optimization.stage3_prefech_bucket_size"]),
+    "unknown offload key": (
+        {"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}}},
+        ["deepspeed.config.zero_optimization.offload_optimizer.pin_memroy"]),
+    "unknown optimizer type": (
+        {"config": {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}},
+        ["deepspeed.config.optimizer.type"]),
+    "unknown optimizer param": (
+        {"config": {"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}},
+        ["deepspeed.config.optimizer.params.momentum"]),
+    "several errors at once": (
+        {"config": {"wandb": {}, "trian_batch_size": 8, "zero_optimization": {"stage": 5}}},
+        ["deepspeed.config.wandb", "deepspeed.config.trian_batch_size", "deepspeed.config.zero_optimization.stage"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_config_raises_with_exact_fields(case: str) -> None:
+    sections, expected = BAD_CASES[case]
+    sections = dict(sections)
+    num_gpus = sections.pop("num_gpus", 1)
+    config = sections.pop("config", None)
+    assert _error_fields(_job(config, num_gpus=num_gpus, **sections)) == expected
+
+
+def test_every_dangerous_key_is_refused() -> None:
+    for key in DANGEROUS_KEYS:
+        assert _error_fields(_job({key: {}})) == [f"deepspeed.config.{key}"], key
+
+
+def test_resolve_does_not_modify_the_callers_spec() -> None:
+    spec = _job(copy.deepcopy(SEED_CONFIG))
+    before = spec.model_dump()
+    resolve(spec)
+    assert spec.model_dump() == before
+
+
+# -- rendering: what DeepSpeed gets for each option --
+
+
+def _render(**deepspeed: Any) -> dict[str, Any]:
+    return resolve(_job(deepspeed=deepspeed)).deepspeed_config
+
+
+def test_stage3_gathers_16bit_weights_on_save() -> None:
+    assert _render(zero_stage=3)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    for stage in (0, 1, 2):
+        assert "stage3_gather_16bit_weights_on_model_save" not in _render(zero_stage=stage)["zero_optimization"]
+
+
+def test_offload_blocks_for_cpu_and_nvme() -> None:
+    zero = _render(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    zero = _render(zero_stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path="/nvme/job-1")[
+        "zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme/job-1"}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme/job-1"}
+    zero = _render(zero_stage=1)["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+
+
+def test_precision_blocks() -> None:
+    fp16 = _render(precision="fp16")
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                            "hysteresis": 2, "min_loss_scale": 1}
+    assert "bf16" not in fp16
+    # Loss-scaling settings from a raw config reach the rendered block.
+    raw = resolve(_job({"fp16": {"enabled": True, "initial_scale_power": 12}})).deepspeed_config
+    assert raw["fp16"]["enabled"] is True and raw["fp16"]["initial_scale_power"] == 12
+    assert _render(precision="bf16")["bf16"] == {"enabled": True}
+    fp32 = _render(precision="fp32")
+    assert "fp16" not in fp32 and "bf16" not in fp32
+
+
+def test_no_scheduler_block_is_rendered() -> None:
+    # The trainer owns the schedule (it spans the steps the data yields), even when a raw config names one.
+    assert "scheduler" not in _render()
+    raw = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": 100}}}
+    resolved = resolve(_job(raw))
+    assert "scheduler" not in resolved.deepspeed_config
+    assert resolved.spec.hyperparameters.lr_schedule == "cosine" and resolved.spec.hyperparameters.warmup_steps == 5
+    assert any("total_num_steps" in note for note in resolved.notes)

@@ -1,0 +1,244 @@
+"""The trainer across DeepSpeed's configurations, under the real launcher on two CPU ranks (gloo, no mocks).
+
+Each launch checks several things at once (exit code, falling loss, eval events, a loadable export) because
+a launch costs ~15 s. fp16 cannot run here: DeepSpeed's CPU accelerator has no fp16 support, so that case
+asserts the clear error instead; its rendered config is covered in tests/test_dsconfig.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.register_assert_rewrite("tests.trainer_support")  # its asserts report values, like a test module's
+
+from tests.trainer_support import (  # noqa: E402
+    Event,
+    assert_loads_and_generates,
+    launch,
+    make_job,
+    of,
+    write_run_spec,
+)
+
+# The `corpus` and `tiny_model` fixtures.
+pytest_plugins = ["tests.trainer_support"]
+
+STEPS = 12
+
+
+def _small_job(model: Path, train: Path, **overrides: Any) -> dict[str, Any]:
+    """12 steps of global batch 8 (micro 2 x accumulation 2 x 2 ranks), seq_len 64, a 10% validation split."""
+    base = make_job(model, train, data={"validation_fraction": 0.1},
+                    hyperparameters={"max_steps": STEPS, "learning_rate": 3e-3, "warmup_steps": 2,
+                                     "eval_every_steps": 6},
+                    checkpointing={"every_steps": None})
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value
+    return base
+
+
+def _train_file(tmp_path: Path, corpus: str) -> Path:
+    train = tmp_path / "train.txt"
+    train.write_text(corpus)
+    return train
+
+
+def _assert_loss_falls(events: list[Event]) -> None:
+    losses = [p["loss"] for p in of(events, "progress")]
+    assert len(losses) >= 6 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def _assert_eval_events(events: list[Event], steps: list[int]) -> None:
+    evals = of(events, "eval")
+    assert [e["step"] for e in evals] == steps, evals
+    for e in evals:
+        assert math.isfinite(e["loss"]) and e["loss"] > 0
+        assert e["perplexity"] == pytest.approx(math.exp(e["loss"]), rel=1e-9)
+
+
+def _assert_completed(events: list[Event], tail: str, out: Path, steps: int) -> None:
+    assert not of(events, "error"), tail
+    (done,) = of(events, "completed")
+    assert done["steps"] == steps and done["output_dir"] == str(out)
+    assert json.loads((out / "COMPLETE").read_text())["step"] == steps
+
+
+# Stage 0 has no optimizer partition to offload, so it runs without offload only.
+MATRIX = [
+    (0, "none", "bf16"),
+    (0, "none", "fp32"),
+    (1, "none", "bf16"),
+    (1, "cpu", "bf16"),
+    (2, "none", "bf16"),
+    (2, "cpu", "bf16"),
+    (3, "none", "bf16"),
+    (3, "cpu", "fp32"),
+]
+
+
+@pytest.mark.parametrize(("stage", "offload", "precision"), MATRIX,
+                         ids=[f"zero{s}-offload_{o}-{p}" for s, o, p in MATRIX])
+def test_zero_stage_offload_precision_trains_evaluates_and_exports(
+        tmp_path: Path, tiny_model: Path, corpus: str, stage: int, offload: str, precision: str) -> None:
+    job = _small_job(tiny_model, _train_file(tmp_path, corpus),
+                     deepspeed={"zero_stage": stage, "offload_optimizer": offload, "precision": precision})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    (started,) = of(events, "started")
+    assert started["world_size"] == 2 and started["total_steps"] == STEPS
+    assert started["micro_batch_size"] == 2 and started["gradient_accumulation_steps"] == 2
+    _assert_loss_falls(events)
+    # The validation split (validation_fraction) is evaluated every 6 steps and once at the end.
+    _assert_eval_events(events, [6, STEPS])
+    out = tmp_path / "job" / "output"
+    _assert_completed(events, tail, out, STEPS)
+    assert_loads_and_generates(out)
+
+
+def test_fp16_is_refused_on_the_cpu_accelerator_with_a_clear_error(tmp_path: Path, tiny_model: Path,
+                                                                   corpus: str) -> None:
+    job = _small_job(tiny_model, _train_file(tmp_path, corpus), deepspeed={"zero_stage": 2, "precision": "fp16"})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 1, tail
+    # Every rank fails the same way in deepspeed.initialize, and each says why.
+    errors = of(events, "error")
+    assert {e["rank"] for e in errors} == {0, 1}, tail
+    for error in errors:
+        assert error["message"] == "Type fp16 is not supported on your device.", error
+    assert not of(events, "completed") and not (tmp_path / "job" / "output" / "COMPLETE").exists()
+
+
+def test_zero3_parameter_offload_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
+    job = _small_job(tiny_model, _train_file(tmp_path, corpus),
+                     deepspeed={"zero_stage": 3, "offload_param": "cpu", "precision": "bf16"})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    _assert_loss_falls(events)
+    _assert_eval_events(events, [6, STEPS])
+    out = tmp_path / "job" / "output"
+    _assert_completed(events, tail, out, STEPS)
+    assert_loads_and_generates(out)
+
+
+def test_lora_trains_adapter_only_and_merges_on_export(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    job = _small_job(tiny_model, _train_file(tmp_path, corpus), hyperparameters={"learning_rate": 1e-2},
+                     lora={"rank": 4, "alpha": 8, "target_modules": "all-linear", "merge_on_export": True})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    (started,) = of(events, "started")
+    assert 0 < started["n_trainable_params"] < started["n_params"] / 10, started
+    _assert_loss_falls(events)
+    out = tmp_path / "job" / "output"
+    _assert_completed(events, tail, out, STEPS)
+
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter), sorted(adapter)
+    lora_b = {n: t for n, t in adapter.items() if "lora_B" in n}
+    # B starts at zero; a trained adapter has moved it.
+    assert lora_b and all(t.abs().sum() > 0 for t in lora_b.values())
+    assert not (out / "model.safetensors").exists()
+
+    merged_dir = out / "merged"
+    assert_loads_and_generates(merged_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.bfloat16).state_dict()
+    assert merged.keys() == base.keys()
+    changed = {n for n in base if not torch.equal(base[n], merged[n])}
+    # Only the adapted linears differ from the base model; embeddings, norms and lm_head are the base's own.
+    adapted = {n.split("base_model.model.", 1)[1].replace(".lora_B.weight", ".weight") for n in lora_b}
+    assert changed and changed <= adapted, sorted(changed - adapted)
+    # ... and each differs by exactly the adapter's delta, scale * B @ A (to bf16 rounding).
+    name_b = next(iter(sorted(lora_b)))
+    a = adapter[name_b.replace("lora_B", "lora_A")].float()
+    delta = (8 / 4) * lora_b[name_b].float() @ a
+    target = name_b.split("base_model.model.", 1)[1].replace(".lora_B.weight", ".weight")
+    torch.testing.assert_close(merged[target].float() - base[target].float(), delta, atol=2e-2, rtol=0.0)
+
+
+def test_chat_jsonl_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
+    paragraphs = [p.replace("\n", " ") for p in corpus.split("\n\n") if len(p) > 100][:120]
+    train = tmp_path / "chat.jsonl"
+    with train.open("w") as f:
+        for i, text in enumerate(paragraphs):
+            messages = [{"role": "system", "content": "You explain Python."},
+                        {"role": "user", "content": f"Explain item {i}."},
+                        {"role": "assistant", "content": text[:300]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    job = _small_job(tiny_model, train, data={"format": "chat"})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    _assert_loss_falls(events)
+    _assert_eval_events(events, [6, STEPS])
+    out = tmp_path / "job" / "output"
+    _assert_completed(events, tail, out, STEPS)
+    assert_loads_and_generates(out)
+
+
+# Exact resume: fp32, no dropout, one data order per seed. Losses and learning rates of a resumed run must match
+# an uninterrupted one to this relative tolerance at every step both report (fp32 on CPU is deterministic, so
+# the difference is in practice 0; the tolerance only absorbs summation-order noise).
+RESUME_REL_TOL = 1e-5
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, tiny_model: Path,
+                                                              corpus: str) -> None:
+    from safetensors.torch import load_file
+
+    train = _train_file(tmp_path, corpus)
+    job = make_job(tiny_model, train, hyperparameters={"max_steps": 16, "warmup_steps": 2},
+                   deepspeed={"zero_stage": 2, "precision": "fp32"}, checkpointing={"every_steps": 8, "keep_last": 3})
+    rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
+    assert rc == 0, tail
+
+    spec_b = write_run_spec(tmp_path, job, job_dir=tmp_path / "b")
+
+    def stop_after_step8_checkpoint(event: Event, proc: subprocess.Popen[str]) -> None:
+        if event["event"] == "checkpoint" and event["step"] == 8:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    rc, first, tail = launch(spec_b, on_event=stop_after_step8_checkpoint)
+    # SIGTERM is honoured at the next optimizer-step boundary: the step in flight finishes and is checkpointed.
+    (stopped,) = of(first, "interrupted")
+    assert rc != 0 and not of(first, "completed"), tail
+    assert 8 < stopped["step"] < 16
+    assert [c["step"] for c in of(first, "checkpoint")] == [8, stopped["step"]]
+
+    rc, second, tail = launch(spec_b)
+    assert rc == 0, tail
+    (started,) = of(second, "started")
+    assert started["resumed_from_step"] == stopped["step"]
+    resumed_steps = [p["step"] for p in of(second, "progress")]
+    assert resumed_steps[0] == stopped["step"] + 1 and resumed_steps[-1] == 16
+
+    a = {p["step"]: p for p in of(straight, "progress")}
+    b = {p["step"]: p for p in of(first, "progress") + of(second, "progress")}
+    # Progress is reported every step up to 10, then about once a second; steps 1-10 and 16 are always there.
+    common = sorted(a.keys() & b.keys())
+    assert set(range(1, 11)) | {16} <= set(common), common
+    for step in common:
+        for field in ("loss", "lr"):
+            assert b[step][field] == pytest.approx(a[step][field], rel=RESUME_REL_TOL), (step, field)
+        # Same rows in the same order: token counts match step by step.
+        assert b[step]["tokens_seen"] == a[step]["tokens_seen"], step
+
+    # The end state is the same model, weight for weight.
+    wa = load_file(tmp_path / "a" / "output" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "output" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert wb[name].float().sub(wa[name].float()).abs().max() <= 1e-5 * max(1.0, wa[name].abs().max()), name
