@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,8 @@ def load_model(spec: JobSpec, location: str, tokenizer: PreTrainedTokenizerBase)
         if m.init == "random":
             config = AutoConfig.from_pretrained(location, revision=m.revision, trust_remote_code=m.trust_remote_code)
             # Initialised on the GPU when there is one: random init of billions of weights on the host is slow.
-            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+            with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                          trust_remote_code=m.trust_remote_code)
         else:
