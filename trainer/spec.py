@@ -67,7 +67,7 @@ class DeepSpeedOptions(_Strict):
     nvme_path: str | None = Field(default=None, description="Directory under the NVMe root for offload")
     activation_checkpointing: bool = False
     compile: Literal["auto", "on", "off"] = Field(
-        default="auto", description="torch.compile each transformer block; auto: on CUDA with ZeRO 0-2")
+        default="auto", description="torch.compile each transformer block; auto: on CUDA without LoRA")
     config: dict[str, Any] | None = Field(
         default=None, description="A raw DeepSpeed config, checked field by field and merged"
     )
