@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from scripts.client import sse_events
 from tests.helpers import events_of, job_processes, wait_for, wait_status
@@ -135,3 +136,19 @@ def test_sse_reader_that_reconnects_sees_every_event_exactly_once(api: httpx.Cli
     all_ids = [e["id"] for e in events_of(api, job["id"])]
     assert reconnects >= 2
     assert seen == all_ids, "every event once, in order, across reconnects"
+
+
+def test_a_job_survives_redis_losing_its_data(api: httpx.Client, make_job: Any, stack_env: dict[str, str]) -> None:
+    job = api.post("/jobs", json=make_job(name="redis-loss", hyperparameters={"max_steps": 30})).json()
+    wait_for(lambda: events_of(api, job["id"], ["progress"]), 180, "the first progress event")
+    r = redis.Redis.from_url(stack_env["FT_REDIS_URL"])
+    lost = r.keys("ft:*")
+    assert lost, "the live stream and the control keys should exist while the job runs"
+    r.delete(*lost)  # the event stream, its consumer group, attempt, lease and claim keys: all gone
+    final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=300)
+    assert final["status"] == "succeeded" and final["attempt"] == 1, final
+    evs = events_of(api, job["id"])
+    assert [e["id"] for e in evs] == list(range(1, len(evs) + 1))
+    assert [e["status"] for e in evs if e["type"] == "state"][-1] == "succeeded"
+    assert max(e["step"] for e in evs if e["type"] == "progress") == 30
+    assert r.get(f"ft:job:{job['id']}:attempt") == b"1", "the control plane puts the control keys back"
