@@ -152,3 +152,16 @@ def test_a_job_survives_redis_losing_its_data(api: httpx.Client, make_job: Any, 
     assert [e["status"] for e in evs if e["type"] == "state"][-1] == "succeeded"
     assert max(e["step"] for e in evs if e["type"] == "progress") == 30
     assert r.get(f"ft:job:{job['id']}:attempt") == b"1", "the control plane puts the control keys back"
+
+
+def test_a_job_past_its_time_limit_is_stopped_and_fails_with_time_limit(api: httpx.Client, make_job: Any) -> None:
+    job = api.post("/jobs", json=make_job(name="slow", hyperparameters={"max_steps": 100_000},
+                                          resources={"time_limit_seconds": 40})).json()
+    final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=120)
+    assert final["status"] == "failed" and final["error"]["code"] == "time_limit", final["error"]
+    assert "40 s" in final["error"]["message"]
+    # SIGTERM first: the trainer saves a checkpoint at the next step boundary before it exits.
+    interrupted = events_of(api, job["id"], ["interrupted"])
+    assert interrupted and interrupted[0]["reason"] == "SIGTERM"
+    assert any(c["step"] == interrupted[0]["step"] and c["committed"] for c in final["checkpoints"])
+    wait_for(lambda: not job_processes(job["id"]), 5, "every process of the job to be gone")
