@@ -19,6 +19,8 @@ class WorkerSettings(BaseSettings):
     term_grace_seconds: float = 30.0
     python: str | None = None  # interpreter for the launcher; defaults to this one
     log_tail_lines: int = 40
+    # DeepSpeed builds its C++/CUDA ops on first use; they are cached here, one folder per installation.
+    extensions_dir: str = "~/.cache/finetune/torch_extensions"
 
     @property
     def broker(self) -> str:

@@ -6,6 +6,7 @@ goes to Redis tagged (job, attempt); the control plane decides what it means.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -49,6 +50,22 @@ def spawn(argv: list[str], *, env: dict[str, str], cwd: Path) -> subprocess.Pope
     guarded = [sys.executable, "-m", "worker.guard", "--", *argv]
     return subprocess.Popen(guarded, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def extensions_dir(settings: WorkerSettings) -> Path:
+    """Where the launched ranks build and cache DeepSpeed's ops: one folder per Python installation, since
+    ops built against one installation's sources are rebuilt (slowly, under a lock) by another."""
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return Path(settings.extensions_dir).expanduser() / tag
+
+
+def release_stale_build_locks(folder: Path) -> list[Path]:
+    """A rank killed while building an op leaves torch's build lock behind, and every later job on this
+    node would wait on it forever. Called only after this attempt's process group is gone."""
+    stale = list(folder.glob("*/lock"))
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    return stale
 
 
 def kill_group(pgid: int, sig: int) -> None:
@@ -148,7 +165,8 @@ class Attempt:
     def execute(self) -> Outcome:
         s = self.settings
         spec_file, log_dir, output_dir = self.prepare()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+        ext_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir(s))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(ext_dir),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
         argv = launcher_argv(s.python or sys.executable, self.run_spec["job"]["world_size"], spec_file, log_dir)
         self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
@@ -194,6 +212,9 @@ class Attempt:
         self.collect(reader, ranks, final=True)
         if not gone:
             self.pending.append(("log", {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
+        elif reason is not None or proc.returncode != 0:
+            for lock in release_stale_build_locks(ext_dir):
+                self.pending.append(("log", {"rank": None, "line": f"removed the stale op build lock {lock}"}))
         return self.decide(reason, proc.returncode, output_dir, time_limit)
 
     def decide(self, reason: str | None, exit_code: int | None, output_dir: Path, time_limit: int) -> Outcome:
