@@ -1,0 +1,54 @@
+"""The worker's plain pieces: event parsing, rank log tailing, failure classification, build locks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from worker.logpump import RankLogTail, parse_trainer_event
+from worker.outcome import classify_failure, read_completion
+from worker.supervisor import release_stale_build_locks
+
+
+def test_only_json_objects_with_an_event_are_trainer_events() -> None:
+    assert parse_trainer_event('{"event": "progress", "step": 3}') == {"event": "progress", "step": 3}
+    assert parse_trainer_event('{"step": 3}') is None
+    assert parse_trainer_event("{not json") is None
+    assert parse_trainer_event("[rank0] hello") is None
+
+
+def test_rank_logs_are_read_in_complete_lines_with_their_rank(tmp_path: Path) -> None:
+    tail = RankLogTail(tmp_path)
+    (tmp_path / "20260101_rank1.log").write_bytes(b"first\nsecond par")
+    assert tail.poll() == [(1, "first")]
+    with (tmp_path / "20260101_rank1.log").open("ab") as f:
+        f.write(b"t\n")
+    (tmp_path / "20260101_rank0.log").write_bytes(b"zero\n")
+    assert sorted(tail.poll()) == [(0, "zero"), (1, "second part")]
+    assert tail.close() == []
+
+
+def test_failures_are_classified_from_the_trainer_error_first_then_the_log() -> None:
+    assert classify_failure(1, {"code": "data_error", "message": "bad line 3"}, [])["code"] == "data_error"
+    oom = classify_failure(1, None, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"])
+    assert oom["code"] == "out_of_memory" and "Tried to allocate" in oom["log_tail"]
+    assert classify_failure(-9, None, ["nothing useful"])["code"] == "killed"
+    assert classify_failure(1, None, ["Traceback ..."])["code"] == "trainer_error"
+
+
+def test_completion_needs_the_marker_and_the_exported_model(tmp_path: Path) -> None:
+    assert read_completion(tmp_path) is None
+    (tmp_path / "COMPLETE").write_text(json.dumps({"step": 7, "final_loss": 1.5}))
+    assert read_completion(tmp_path) is None, "a marker without weights is not a finished export"
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    done = read_completion(tmp_path)
+    assert done is not None and done["step"] == 7 and "model.safetensors" in done["files"]
+
+
+def test_build_locks_left_by_a_killed_attempt_are_released(tmp_path: Path) -> None:
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").write_text("")
+    (tmp_path / "cpu_adam").mkdir()
+    assert release_stale_build_locks(tmp_path) == [tmp_path / "deepspeed_shm_comm" / "lock"]
+    assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()
