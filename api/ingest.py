@@ -55,7 +55,7 @@ def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
         apply_state(job, data)
     elif kind == "started":
         job.progress = {**(job.progress or {}), "step": data.get("resumed_from_step") or 0,
-                        "total_steps": data.get("total_steps")}
+                        "total_steps": data.get("total_steps"), "packing_efficiency": data.get("packing_efficiency")}
     elif kind == "progress":
         job.progress = {**(job.progress or {}), **{k: data[k] for k in PROGRESS_FIELDS if k in data}}
     elif kind == "checkpoint":

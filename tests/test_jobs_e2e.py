@@ -36,6 +36,7 @@ def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make
     p = final["progress"]
     assert p["step"] == p["total_steps"] == 24
     assert p["tokens_per_second"] > 0 and p["loss"] == losses[-1]
+    assert 0.9 < p["packing_efficiency"] <= 1.0
     assert final["started_at"] and final["finished_at"]
     committed = [c for c in final["checkpoints"] if c["committed"]]
     assert [c["step"] for c in committed] == [16, 24], final["checkpoints"]

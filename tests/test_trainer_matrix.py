@@ -195,13 +195,15 @@ def test_chat_jsonl_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus:
 RESUME_REL_TOL = 1e-5
 
 
-def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, tiny_model: Path,
-                                                              corpus: str) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, tiny_model: Path, corpus: str,
+                                                              stage: int) -> None:
     from safetensors.torch import load_file
 
     train = _train_file(tmp_path, corpus)
     job = make_job(tiny_model, train, hyperparameters={"max_steps": 16, "warmup_steps": 2},
-                   deepspeed={"zero_stage": 2, "precision": "fp32"}, checkpointing={"every_steps": 8, "keep_last": 3})
+                   deepspeed={"zero_stage": stage, "precision": "fp32"},
+                   checkpointing={"every_steps": 8, "keep_last": 3})
     rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
     assert rc == 0, tail
 
