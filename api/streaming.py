@@ -46,8 +46,8 @@ async def follow(job_id: str, after: int, types: list[str] | None,
             continue
         if ended:
             return
-        if time.monotonic() - last_sent > KEEPALIVE_SECONDS:
-            yield ": keep-alive\n\n" if render is sse else ""
+        if render is sse and time.monotonic() - last_sent > KEEPALIVE_SECONDS:
+            yield ": keep-alive\n\n"  # an SSE comment: keeps proxies from closing an idle stream
             last_sent = time.monotonic()
         await asyncio.sleep(POLL_SECONDS)
 
