@@ -72,6 +72,20 @@ def _assert_completed(events: list[Event], tail: str, out: Path, steps: int) -> 
     assert json.loads((out / "COMPLETE").read_text())["step"] == steps
 
 
+def _train_and_check(tmp_path: Path, job: dict[str, Any]) -> list[Event]:
+    """Launch a standard job and check what every successful one must show: loss falls, evals at 6 and the
+    end, completion marker, and an export that loads and generates."""
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    _assert_loss_falls(events)
+    # The validation split (validation_fraction) is evaluated every 6 steps and once at the end.
+    _assert_eval_events(events, [6, STEPS])
+    out = tmp_path / "job" / "output"
+    _assert_completed(events, tail, out, STEPS)
+    assert_loads_and_generates(out)
+    return events
+
+
 # Stage 0 has no optimizer partition to offload, so it runs without offload only.
 MATRIX = [
     (0, "none", "bf16"),
@@ -91,17 +105,10 @@ def test_zero_stage_offload_precision_trains_evaluates_and_exports(
         tmp_path: Path, tiny_model: Path, corpus: str, stage: int, offload: str, precision: str) -> None:
     job = _small_job(tiny_model, _train_file(tmp_path, corpus),
                      deepspeed={"zero_stage": stage, "offload_optimizer": offload, "precision": precision})
-    rc, events, tail = launch(write_run_spec(tmp_path, job))
-    assert rc == 0, tail
+    events = _train_and_check(tmp_path, job)
     (started,) = of(events, "started")
     assert started["world_size"] == 2 and started["total_steps"] == STEPS
     assert started["micro_batch_size"] == 2 and started["gradient_accumulation_steps"] == 2
-    _assert_loss_falls(events)
-    # The validation split (validation_fraction) is evaluated every 6 steps and once at the end.
-    _assert_eval_events(events, [6, STEPS])
-    out = tmp_path / "job" / "output"
-    _assert_completed(events, tail, out, STEPS)
-    assert_loads_and_generates(out)
 
 
 def test_fp16_is_refused_on_the_cpu_accelerator_with_a_clear_error(tmp_path: Path, tiny_model: Path,
@@ -120,13 +127,7 @@ def test_fp16_is_refused_on_the_cpu_accelerator_with_a_clear_error(tmp_path: Pat
 def test_zero3_parameter_offload_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
     job = _small_job(tiny_model, _train_file(tmp_path, corpus),
                      deepspeed={"zero_stage": 3, "offload_param": "cpu", "precision": "bf16"})
-    rc, events, tail = launch(write_run_spec(tmp_path, job))
-    assert rc == 0, tail
-    _assert_loss_falls(events)
-    _assert_eval_events(events, [6, STEPS])
-    out = tmp_path / "job" / "output"
-    _assert_completed(events, tail, out, STEPS)
-    assert_loads_and_generates(out)
+    _train_and_check(tmp_path, job)
 
 
 def test_lora_trains_adapter_only_and_merges_on_export(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
@@ -180,13 +181,7 @@ def test_chat_jsonl_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus:
                         {"role": "assistant", "content": text[:300]}]
             f.write(json.dumps({"messages": messages}) + "\n")
     job = _small_job(tiny_model, train, data={"format": "chat"})
-    rc, events, tail = launch(write_run_spec(tmp_path, job))
-    assert rc == 0, tail
-    _assert_loss_falls(events)
-    _assert_eval_events(events, [6, STEPS])
-    out = tmp_path / "job" / "output"
-    _assert_completed(events, tail, out, STEPS)
-    assert_loads_and_generates(out)
+    _train_and_check(tmp_path, job)
 
 
 # Exact resume: fp32, no dropout, one data order per seed. Losses and learning rates of a resumed run must match
