@@ -36,7 +36,7 @@ def main() -> None:
     next_reap = 0.0
     while not stopping:
         try:
-            ingester.ensure_group()
+            # The ingester creates its consumer group on first read (and again if Redis lost it).
             caught_up = ingester.step(block_ms=int(settings.loop_interval_seconds * 1000)) < settings.ingest_batch
             # Reap only when the ingester is caught up: a terminal state still in the stream is not a lost worker.
             if caught_up and time.monotonic() >= next_reap:
