@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Plain `pytest` does not put the repo root on sys.path (tests/ has no package); the trainer lives there.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-LAUNCH_TIMEOUT = 300
+LAUNCH_TIMEOUT = 900
 
 Event = dict[str, Any]
 
