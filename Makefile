@@ -7,12 +7,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo up worker migrate test lint compose-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker/prebuild.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first: the project's torch range then installs nothing bigger.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.4,<2.15"
 	$(PY) -m pip install -q -e ".[dev]"
+	# DeepSpeed's ops are compiled now, not inside the first job (see worker/prebuild.py).
+	$(PY) -m worker.prebuild
 	touch $(STAMP)
 
 install: $(STAMP)

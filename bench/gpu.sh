@@ -18,7 +18,14 @@ L="python3 -m deepspeed.launcher.runner --num_gpus 1"
 for stage in "$@"; do
   case $stage in
     setup)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      # Carried wheels the machine lacks; peft and accelerate only where it has none (they follow its transformers).
+      wheels=()
+      for w in .whl/*.whl; do
+        dist=$(basename "$w" | cut -d- -f1)
+        case $dist in peft|accelerate) python3 -c "import $dist" 2>/dev/null && continue ;; esac
+        wheels+=("$w")
+      done
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
       python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" | tee -a "$OUT/log.txt" ;;
     seed) run seed 400 $L bench/seed_recipe.py --steps 30 ;;
@@ -32,7 +39,7 @@ for stage in "$@"; do
     mem_*)  # mem_<model>_<z>_<offload>[_lora]: does a full step fit? (activation checkpointing, micro 1)
       IFS=_ read -r _ model z off lora <<< "$stage"
       extra=""; [ "${lora:-}" = lora ] && extra="--lora"
-      run "$stage" 600 python3 -m bench.run_trainer --model "$model" --zero "$z" --offload "$off" --ckpt --micro 1 \
+      run "$stage" "${MEM_LIMIT:-600}" python3 -m bench.run_trainer --model "$model" --zero "$z" --offload "$off" --ckpt --micro 1 \
         --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -54,5 +54,12 @@ def events_of(api: httpx.Client, job_id: str, types: list[str] | None = None) ->
 
 
 def wait_status(api: httpx.Client, job_id: str, statuses: set[str], timeout: float) -> dict[str, Any]:
-    return wait_for(lambda: (j := api.get(f"/jobs/{job_id}").json())["status"] in statuses and j,
-                    timeout, f"job {job_id} to reach {statuses}")
+    try:
+        return wait_for(lambda: (j := api.get(f"/jobs/{job_id}").json())["status"] in statuses and j,
+                        timeout, f"job {job_id} to reach {statuses}")
+    except AssertionError as exc:
+        # A job that never got there says why in its own state and log: put both in the failure.
+        job = api.get(f"/jobs/{job_id}").json()
+        logs = api.get(f"/jobs/{job_id}/logs").text[-3000:]
+        raise AssertionError(f"{exc}; it is {job['status']} (attempt {job['attempt']}, progress "
+                             f"{job['progress']}, error {job['error']}); log tail:\n{logs}") from None

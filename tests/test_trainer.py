@@ -38,8 +38,11 @@ def test_zero2_bf16_trains_checkpoints_and_exports(tmp_path: Path, tiny_model: P
     train.write_text(corpus)
     job = make_job(tiny_model, train, data={"validation_fraction": 0.1},
                    hyperparameters={"eval_every_steps": 15})
+    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     rc, events, tail = launch(write_run_spec(tmp_path, job))
     assert rc == 0, tail
+    # Nothing of the job stays in shared memory once it ended.
+    assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before
     evals = of(events, "eval")
     assert [e["step"] for e in evals] == [15, 30] and evals[-1]["perplexity"] > 1
     started = of(events, "started")

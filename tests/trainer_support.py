@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Plain `pytest` does not put the repo root on sys.path (tests/ has no package); the trainer lives there.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-LAUNCH_TIMEOUT = 900
+LAUNCH_TIMEOUT = 300  # a launch here takes under a minute; the ops are built at install time
 
 Event = dict[str, Any]
 
@@ -106,6 +106,14 @@ def parse_event(line: str) -> Event | None:
         return None
 
 
+def ops_dir() -> Path:
+    """The folder `make install` built DeepSpeed's ops into, so no launch here compiles them again."""
+    from worker.settings import WorkerSettings
+    from worker.supervisor import extensions_dir
+
+    return extensions_dir(WorkerSettings())
+
+
 def launch(spec_path: Path, *,
            on_event: Callable[[Event, subprocess.Popen[str]], None] | None = None) -> tuple[int, list[Event], str]:
     """Run the trainer under the real launcher; returns (exit code, events, tail of stdout + stderr).
@@ -115,7 +123,7 @@ def launch(spec_path: Path, *,
     """
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
             "--master_port", str(free_port()), "--module", "trainer", "--spec", str(spec_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir())}
     events: list[Event] = []
     lines: list[str] = []
     with tempfile.TemporaryFile("w+") as err:

@@ -122,10 +122,20 @@ class Progress:
         return step <= 10 or step >= total or now - self.last_emit >= 1.0
 
 
+def _skip_shared_memory_collectives() -> None:
+    """On the CPU accelerator DeepSpeed maps a 66 MB /dev/shm segment per rank for its inference all-reduce,
+    which training never calls, and never unlinks it: every job would leave them behind, and a node with a
+    small /dev/shm could not start one. Marking the op unavailable keeps training on torch.distributed."""
+    accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__[accel.get_op_builder("ShareMemCommBuilder").NAME] = False
+
+
 def run(run_spec: RunSpec) -> None:
     job, paths = run_spec.job, run_spec.paths
     spec, hp = job.spec, job.spec.hyperparameters
     _seed_everything(hp.seed)
+    _skip_shared_memory_collectives()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     accel = get_accelerator()
