@@ -1,5 +1,5 @@
 # One image for the API, the control plane and the GPU workers. The base carries CUDA's compiler,
-# which DeepSpeed needs to build its fused optimizer kernels on first use.
+# which DeepSpeed needs to build its fused optimizer kernels (a worker builds them as it starts).
 ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel
 FROM ${BASE}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_CUDA_ARCH_LIST="8.0;9.0"

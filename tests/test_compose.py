@@ -35,4 +35,5 @@ def test_compose_stack_has_the_production_pieces() -> None:
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
     assert services["worker"]["init"] is True
-    assert "solo" in services["worker"]["command"]
+    worker_command = " ".join(services["worker"]["command"])
+    assert "python -m worker.prebuild && exec celery" in worker_command and "--pool solo" in worker_command

@@ -52,3 +52,25 @@ def test_build_locks_left_by_a_killed_attempt_are_released(tmp_path: Path) -> No
     (tmp_path / "cpu_adam").mkdir()
     assert release_stale_build_locks(tmp_path) == [tmp_path / "deepspeed_shm_comm" / "lock"]
     assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()
+
+
+def test_prebuild_leaves_the_cpu_ops_where_the_ranks_load_them(tmp_path: Path) -> None:
+    """`make install` ran `python -m worker.prebuild`; running it again finds the ops built, and they lie in
+    the folder the supervisor gives the ranks (TORCH_EXTENSIONS_DIR), so no job compiles them."""
+    import subprocess
+    import sys
+
+    from worker.settings import WorkerSettings
+    from worker.supervisor import extensions_dir
+
+    folder = extensions_dir(WorkerSettings())
+    (folder / "cpu_adam").mkdir(parents=True, exist_ok=True)
+    (folder / "cpu_adam" / "lock").touch()  # as a build killed half-way leaves it
+    r = subprocess.run([sys.executable, "-m", "worker.prebuild"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"DeepSpeed ops ready in {folder}: CPUAdamBuilder" in r.stderr, r.stderr[-2000:]
+    assert not (folder / "cpu_adam" / "lock").exists()
+    assert list((folder / "cpu_adam").glob("*.so")), sorted(p.name for p in (folder / "cpu_adam").iterdir())
+    printed = subprocess.run([sys.executable, "-m", "worker.prebuild", "--print-dir"], capture_output=True,
+                             text=True, timeout=120)
+    assert printed.stdout.strip() == str(folder)
