@@ -20,6 +20,7 @@ def model_config(name: str) -> PretrainedConfig:
         "llama1b": (2048, 16, 32, 8, 8192, True),  # Llama-3.2-1B
         "llama3b": (3072, 28, 24, 8, 8192, True),  # Llama-3.2-3B
         "llama6b": (4096, 24, 32, 8, 14336, False),  # Llama-3.1-8B width, 24 of its 32 layers
+        "llama7b": (4096, 28, 32, 8, 14336, False),  # Llama-3.1-8B width, 28 of its 32 layers
         "llama8b": (4096, 32, 32, 8, 14336, False),  # Llama-3.1-8B
         "llama14b": (5120, 40, 40, 8, 17920, False),
         "llama32b": (6144, 60, 48, 8, 20480, False),
