@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from worker.logpump import RankLogTail, parse_trainer_event
 from worker.outcome import classify_failure, read_completion
-from worker.supervisor import release_stale_build_locks
+from worker.settings import WorkerSettings
+from worker.supervisor import extensions_dir, release_stale_build_locks
 
 
 def test_only_json_objects_with_an_event_are_trainer_events() -> None:
@@ -57,12 +60,6 @@ def test_build_locks_left_by_a_killed_attempt_are_released(tmp_path: Path) -> No
 def test_prebuild_leaves_the_cpu_ops_where_the_ranks_load_them(tmp_path: Path) -> None:
     """`make install` ran `python -m worker.prebuild`; running it again finds the ops built, and they lie in
     the folder the supervisor gives the ranks (TORCH_EXTENSIONS_DIR), so no job compiles them."""
-    import subprocess
-    import sys
-
-    from worker.settings import WorkerSettings
-    from worker.supervisor import extensions_dir
-
     folder = extensions_dir(WorkerSettings())
     (folder / "cpu_adam").mkdir(parents=True, exist_ok=True)
     (folder / "cpu_adam" / "lock").touch()  # as a build killed half-way leaves it

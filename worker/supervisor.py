@@ -53,8 +53,11 @@ def spawn(argv: list[str], *, env: dict[str, str], cwd: Path) -> subprocess.Pope
 
 
 def extensions_dir(settings: WorkerSettings) -> Path:
-    """Where the launched ranks build and cache DeepSpeed's ops: one folder per Python installation, since
-    ops built against one installation's sources are rebuilt (slowly, under a lock) by another."""
+    """Where the launched ranks build and cache DeepSpeed's ops: TORCH_EXTENSIONS_DIR where the operator set
+    it, else one folder per Python installation, since ops built against one installation's sources are
+    rebuilt (slowly, under a lock) by another. `worker.prebuild` builds into the same folder."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
     return Path(settings.extensions_dir).expanduser() / tag
 
@@ -165,7 +168,7 @@ class Attempt:
     def execute(self) -> Outcome:
         s = self.settings
         spec_file, log_dir, output_dir = self.prepare()
-        ext_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or extensions_dir(s))
+        ext_dir = extensions_dir(s)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(ext_dir),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
         argv = launcher_argv(s.python or sys.executable, self.run_spec["job"]["world_size"], spec_file, log_dir)
