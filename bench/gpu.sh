@@ -36,9 +36,9 @@ for stage in "$@"; do
     trainer_llama1b_z3_compile) run trainer_llama1b_z3_compile 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 --compile on ;;
     trainer_llama1b_z2_nocompile) run trainer_llama1b_z2_nocompile 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --compile off ;;
     trainer_llama1b_z2_flex) run trainer_llama1b_z2_flex 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --attn flex_attention ;;
-    mem_*)  # mem_<model>_<z>_<offload>[_lora]: does a full step fit? (activation checkpointing, micro 1)
+    mem_*)  # mem_<model>_<z>_<offload>[_lora]: does a full step fit? (activation checkpointing, micro 1; MEM_EXTRA adds flags)
       IFS=_ read -r _ model z off lora <<< "$stage"
-      extra=""; [ "${lora:-}" = lora ] && extra="--lora"
+      extra="${MEM_EXTRA:-}"; [ "${lora:-}" = lora ] && extra="$extra --lora"
       run "$stage" "${MEM_LIMIT:-600}" python3 -m bench.run_trainer --model "$model" --zero "$z" --offload "$off" --ckpt --micro 1 \
         --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra ;;
     *) echo "unknown stage $stage" ;;

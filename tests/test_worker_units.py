@@ -36,6 +36,12 @@ def test_failures_are_classified_from_the_trainer_error_first_then_the_log() -> 
     oom = classify_failure(1, None, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"])
     assert oom["code"] == "out_of_memory" and "Tried to allocate" in oom["log_tail"]
     assert classify_failure(-9, None, ["nothing useful"])["code"] == "killed"
+    # How the DeepSpeed launcher reports a rank the kernel's OOM killer ended: its own exit status is 247.
+    launcher_tail = ["[ERROR] [launch.py:259:sigkill_handler] ['python3', '-u', '-m', 'trainer', '--spec', "
+                     "'spec.json'] exits with return code = -9"]
+    killed = classify_failure(247, None, launcher_tail)
+    assert killed["code"] == "killed" and "host memory" in killed["message"]
+    assert classify_failure(1, None, launcher_tail)["code"] == "killed"
     assert classify_failure(1, None, ["Traceback ..."])["code"] == "trainer_error"
 
 

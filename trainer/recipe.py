@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, tuning
+from trainer import checkpoint, export, memory, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -151,6 +151,8 @@ def run(run_spec: RunSpec) -> None:
     model = load_model(spec, location, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
+                              memory.available_host_bytes())
     cfg, adjustments = ds_config(run_spec)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
     if job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
@@ -239,6 +241,9 @@ def run(run_spec: RunSpec) -> None:
     if val_blocks is not None:
         loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
         emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
+    # The optimizer's state is dead weight now; an offloaded one fills most of host memory, where the
+    # export then builds the model's files.
+    memory.release_optimizer_state(engine)
     export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
                   state.last_loss)
 

@@ -18,6 +18,11 @@ LOG_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 ]
 
 
+# The DeepSpeed launcher logs each rank's exit code and exits with it as a status byte (-9 -> 247).
+RANK_KILLED = re.compile(r"exits with return code = -9\b")
+KILLED_EXIT_CODES = (-9, 9, 137, 247)
+
+
 class Status(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -58,7 +63,14 @@ def classify_failure(exit_code: int | None, trainer_error: dict[str, Any] | None
         code = str(trainer_error["code"])
         message = str(trainer_error.get("message", ""))
     else:
-        code = next((name for name, pat in LOG_PATTERNS if pat.search(tail)), None) or (
-            "killed" if exit_code is not None and exit_code in (-9, 137, 9) else "trainer_error")
+        code = next((name for name, pat in LOG_PATTERNS if pat.search(tail)), None)
         message = f"the trainer exited with code {exit_code} without completing"
+        if code is None and (exit_code in KILLED_EXIT_CODES or RANK_KILLED.search(tail)):
+            code = "killed"
+            # Nothing in the service sent it (that is reported as cancelled or timed out), so the usual
+            # sender is the kernel: operators need the likely cause, not just the number.
+            message = ("a training process was killed with SIGKILL and left no error of its own; when no "
+                       "operator killed it, this is the kernel's out-of-memory killer: the node ran out of "
+                       "host memory (optimizer or parameter offload to the CPU, data loading)")
+        code = code or "trainer_error"
     return {"code": code, "message": message, "log_tail": tail[-4000:]}

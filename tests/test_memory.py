@@ -1,0 +1,75 @@
+"""Host memory for offloaded optimizer state: the check before training and the release before export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_support import REPO, free_port, ops_dir
+from trainer.memory import GiB, HostMemoryError, check_offload_fits, offload_host_bytes
+from trainer.spec import DeepSpeedOptions
+
+LLAMA8B, LLAMA7B = 8_030_261_248, 7_157_813_248
+# What an H200 node with 128 GiB had available once a rank had loaded its model (bench/RESULTS.md).
+NODE_AVAILABLE = int(121.7 * GiB)
+
+
+def _ds(**kw: object) -> DeepSpeedOptions:
+    return DeepSpeedOptions.model_validate({"zero_stage": 2, "precision": "bf16", **kw})
+
+
+def test_offload_that_the_host_cannot_hold_is_refused_naming_the_setting_and_the_numbers() -> None:
+    with pytest.raises(HostMemoryError) as err:
+        check_offload_fits(_ds(offload_optimizer="cpu"), LLAMA8B, LLAMA8B, 1, 1, NODE_AVAILABLE)
+    assert err.value.code == "out_of_memory"
+    message = str(err.value)
+    assert 'deepspeed.offload_optimizer="cpu"' in message
+    assert "134.6 GiB" in message and "121.7 GiB" in message and "8.03 B trainable" in message
+
+
+def test_offload_that_fits_or_is_shared_over_nodes_passes() -> None:
+    check_offload_fits(_ds(offload_optimizer="cpu"), LLAMA7B, LLAMA7B, 1, 1, NODE_AVAILABLE)
+    # Two nodes of two ranks: each node holds half of the partitions.
+    check_offload_fits(_ds(offload_optimizer="cpu"), LLAMA8B, LLAMA8B, 2, 4, NODE_AVAILABLE)
+    # Nothing offloaded, or nothing known about the host: no check.
+    check_offload_fits(_ds(), LLAMA8B, LLAMA8B, 1, 1, 0)
+    check_offload_fits(_ds(offload_optimizer="cpu"), LLAMA8B, LLAMA8B, 1, 1, None)
+
+
+def test_offload_host_bytes_per_parameter() -> None:
+    n = 1_000_000
+    assert offload_host_bytes(_ds(offload_optimizer="cpu"), n, n, 1, 1) == 18 * n
+    assert offload_host_bytes(_ds(offload_optimizer="cpu", precision="fp32"), n, n, 1, 1) == 16 * n
+    # LoRA: only the trainable parameters have optimizer state.
+    assert offload_host_bytes(_ds(offload_optimizer="cpu"), n, n // 100, 1, 1) == 18 * (n // 100)
+    stage3 = _ds(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")
+    assert offload_host_bytes(stage3, n, n, 8, 8) == 20 * n
+    assert offload_host_bytes(_ds(offload_optimizer="nvme", nvme_path="/nvme/x", zero_stage=3), n, n, 1, 1) == 0
+
+
+def _probe(stage: int, offload: str, precision: str) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir()), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("release_probe.py")), str(stage), offload,
+                           precision], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("stage", "offload", "precision", "min_bytes_per_param"), [
+    (2, "cpu", "bf16", 16),  # fp32 master weights 4 + fp32 gradients 4 + two Adam moments 8
+    (1, "none", "bf16", 12),  # master weights and moments (gradients are not kept between steps)
+    (0, "none", "fp32", 8),  # the optimizer updates the module's own weights: only the moments go
+    (3, "none", "bf16", 12),  # the fp32 partitions live on the ZeRO-3 wrapper between steps
+])
+def test_release_drops_optimizer_state_and_keeps_trained_weights(stage: int, offload: str, precision: str,
+                                                                 min_bytes_per_param: int) -> None:
+    out = _probe(stage, offload, precision)
+    assert out["inner_state_entries"] == 0 and out["inner_param_numel"] == 0, out
+    assert out["module_unchanged"] is True and out["module_numel"] == out["n_params"], out
+    assert int(out["released"]) >= min_bytes_per_param * int(out["n_params"]), out

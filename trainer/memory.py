@@ -1,0 +1,112 @@
+"""The optimizer's memory around training: checked against the host before an offloaded run starts, and
+handed back once the last step is done so the export has room."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+from trainer.errors import TrainerError
+from trainer.spec import DeepSpeedOptions
+
+GiB = 2**30
+
+# Host bytes per trainable parameter that ZeRO's CPU optimizer offload keeps: fp32 master weights, fp32
+# gradient partition and two Adam moments (16), plus the 16-bit copy CPU Adam writes back to the GPU (2).
+# 18 is what a 7.2 B full fine-tune held on an H200 node (bench/RESULTS.md, host memory section).
+OFFLOAD_OPTIMIZER_BYTES = 16
+OFFLOAD_HALF_COPY_BYTES = 2
+
+
+class HostMemoryError(TrainerError):
+    code = "out_of_memory"
+
+
+def offload_host_bytes(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int,
+                       world: int) -> int:
+    """What this node's ranks will hold in host memory for offloaded state (ZeRO partitions it over all
+    ranks, so a node holds its ranks' share)."""
+    half = ds.precision in ("bf16", "fp16")
+    per_param = 0.0
+    if ds.offload_optimizer == "cpu":
+        per_param += n_trainable * (OFFLOAD_OPTIMIZER_BYTES + (OFFLOAD_HALF_COPY_BYTES if half else 0))
+    if ds.offload_param == "cpu":
+        per_param += n_params * (2 if half else 4)
+    return int(per_param * local_ranks / max(1, world))
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo: free memory plus what the kernel can reclaim without swapping."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def local_rank_count(world: int) -> int:
+    # The DeepSpeed launcher sets LOCAL_SIZE; torchrun sets LOCAL_WORLD_SIZE.
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+
+
+def check_offload_fits(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int, world: int,
+                       available: int | None) -> None:
+    """Refuse, before DeepSpeed allocates it, offloaded state the host cannot hold: the kernel's OOM killer
+    would otherwise end the job with SIGKILL minutes later and no message."""
+    need = offload_host_bytes(ds, n_params, n_trainable, local_ranks, world)
+    if need == 0 or available is None or need <= available:
+        return
+    offloaded = [f"deepspeed.{k}" for k in ("offload_optimizer", "offload_param") if getattr(ds, k) == "cpu"]
+    raise HostMemoryError(
+        f"host memory: {' and '.join(offloaded)}=\"cpu\" needs about {need / GiB:.1f} GiB on this node "
+        f"({n_trainable / 1e9:.2f} B trainable parameters, {local_ranks} of {world} ranks here) but "
+        f"{available / GiB:.1f} GiB is available; use more nodes, LoRA, offload to \"nvme\", or no offload "
+        "with a higher ZeRO stage")
+
+
+def release_optimizer_state(engine: Any) -> int:
+    """Drop the optimizer's master weights, moments and gradient buffers once training is over; returns the
+    bytes let go. The module's own (trained) weights are never touched: with fp32 and no ZeRO the optimizer
+    updates them in place, so they are skipped."""
+    wrapper = getattr(engine, "optimizer", None)
+    if wrapper is None:
+        return 0
+    inner = getattr(wrapper, "optimizer", wrapper)
+    if hasattr(wrapper, "bit16_groups") or hasattr(wrapper, "bf16_groups"):
+        # ZeRO 1/2 and the bf16 optimizer keep views of the master weights on every parameter (`_hp_mapping`);
+        # their destroy() drops those views and the gradient hooks. Stage 3's would also remove the hooks the
+        # export's parameter gathering needs, so it is not called there.
+        wrapper.destroy()
+    # Stage 3 hands its fp32 partitions to the inner optimizer only during a step; between steps they live
+    # on the wrapper. Where fp32 training shares them with the 16-bit partitions, they are the weights.
+    masters = [p for group in inner.param_groups for p in group["params"]]
+    masters += list(getattr(wrapper, "fp32_partitioned_groups_flat", []))
+    keep = {id(p) for p in engine.module.parameters()}
+    keep |= {id(t) for t in getattr(wrapper, "fp16_partitioned_groups_flat", [])}
+    released = 0
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                released += value.numel() * value.element_size()
+    inner.state.clear()
+    seen: set[int] = set()
+    for p in masters:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.grad is not None:
+            released += p.grad.numel() * p.grad.element_size()
+            p.grad = None
+        if id(p) not in keep:
+            released += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return released
