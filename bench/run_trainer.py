@@ -43,10 +43,17 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
                       "activation_checkpointing": a.ckpt, "compile": a.compile},
         "resources": {"num_gpus": a.gpus},
     }
-    if a.no_pin and a.offload != "none":
-        # Pinned host memory cannot be paged out; for an optimizer that fills most of host memory, plain pages fit.
-        job["deepspeed"]["config"] = {"zero_optimization": {"offload_optimizer": {"device": a.offload,
-                                                                                  "pin_memory": False}}}
+    if a.offload != "none" and (a.no_pin or a.offload_ratio < 1.0):
+        block: dict[str, Any] = {"device": a.offload}
+        zero: dict[str, Any] = {"offload_optimizer": block}
+        if a.no_pin:
+            # Pinned host memory cannot be paged out; for an optimizer that fills most of host memory, plain pages fit.
+            block["pin_memory"] = False
+        if a.offload_ratio < 1.0:
+            # ZeRO-3 splits the optimizer by sub-group; smaller groups than the default 1e9 make the split finer.
+            block["ratio"] = a.offload_ratio
+            zero["sub_group_size"] = 500_000_000
+        job["deepspeed"]["config"] = {"zero_optimization": zero}
     if a.lora:
         job["lora"] = {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
     resolved = resolve(JobSpec.model_validate(job), limits=ResolveLimits())
@@ -104,6 +111,7 @@ def main() -> None:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="offloaded optimizer state in pageable host memory")
+    p.add_argument("--offload-ratio", type=float, default=1.0, help="ZeRO-3: share of the optimizer on the CPU")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--work", default="/tmp/bench")
     p.add_argument("--label", default="trainer")
@@ -123,7 +131,7 @@ def main() -> None:
                 pass
     row = {"recipe": a.label, "model": a.model, "zero": a.zero, "precision": a.precision, "offload": a.offload,
            "lora": a.lora, "seq": a.seq, "global_batch": a.global_batch, "activation_checkpointing": a.ckpt,
-           "pin_memory": not a.no_pin,
+           "pin_memory": not a.no_pin, "offload_ratio": a.offload_ratio,
            "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip)}
     print(json.dumps(row), flush=True)
     if proc.returncode != 0:

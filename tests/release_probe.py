@@ -24,7 +24,7 @@ def full_weights(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(stage: int, offload: str, precision: str) -> None:
+def main(stage: int, offload: str, precision: str, ratio: float) -> None:
     _skip_shared_memory_collectives()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -35,8 +35,8 @@ def main(stage: int, offload: str, precision: str) -> None:
     if offload == "none":
         optimizer["params"]["torch_adam"] = True
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "optimizer": optimizer,
-           "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": offload}}
-                                                    if offload != "none" else {})},
+           "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": offload, "ratio": ratio},
+                                                     "sub_group_size": 4096} if offload != "none" else {})},
            "bf16": {"enabled": precision == "bf16"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ids = torch.randint(0, 64, (2, 16))
@@ -47,10 +47,12 @@ def main(stage: int, offload: str, precision: str) -> None:
     before = full_weights(engine)
     released = release_optimizer_state(engine)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    backup = getattr(engine.optimizer, "backup_optimizer", None)
     after = dict(engine.module.named_parameters())
     weights = full_weights(engine)
     print(json.dumps({
-        "n_params": n_params, "released": released, "inner_state_entries": len(inner.state),
+        "n_params": n_params, "released": released,
+        "inner_state_entries": len(inner.state) + (len(backup.state) if backup else 0),
         "inner_param_numel": sum(p.numel() for g in inner.param_groups for p in g["params"]
                                  if all(p is not q for q in after.values()))
         + sum(p.numel() for p in getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])),
@@ -59,4 +61,4 @@ def main(stage: int, offload: str, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]))

@@ -437,6 +437,16 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
                 "deepspeed.config.zero_optimization.offload_param",
                 f"needs ZeRO stage 3 (got stage {ds.zero_stage}): only stage 3 partitions parameters; "
                 "set zero_optimization.stage to 3 or remove offload_param"))
+        ratio = merger.offload_extra["offload_optimizer"].get("ratio", 1.0)
+        field = "deepspeed.config.zero_optimization.offload_optimizer.ratio"
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            errors.append(FieldError(field, f"must be a number from 0 to 1 (the share of the optimizer state "
+                                            f"kept on the CPU), got {ratio!r}"))
+        elif ratio < 1.0 and (ds.zero_stage != 3 or ds.offload_optimizer != "cpu"):
+            errors.append(FieldError(field, f"below 1 splits the optimizer between GPU and CPU, which only ZeRO "
+                                            f"stage 3 with offload_optimizer \"cpu\" does (got stage "
+                                            f"{ds.zero_stage}, offload_optimizer {ds.offload_optimizer!r}); "
+                                            "set zero_optimization.stage to 3 or remove ratio"))
         for key in ("offload_optimizer", "offload_param"):
             if getattr(ds, key) == "nvme" and not ds.nvme_path:
                 errors.append(FieldError(f"deepspeed.config.zero_optimization.{key}.nvme_path",

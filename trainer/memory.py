@@ -26,13 +26,14 @@ class HostMemoryError(TrainerError):
 
 
 def offload_host_bytes(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int,
-                       world: int) -> int:
+                       world: int, optimizer_ratio: float = 1.0) -> int:
     """What this node's ranks will hold in host memory for offloaded state (ZeRO partitions it over all
-    ranks, so a node holds its ranks' share)."""
+    ranks, so a node holds its ranks' share; ZeRO-3's `ratio` keeps the rest of the optimizer on the GPU)."""
     half = ds.precision in ("bf16", "fp16")
     per_param = 0.0
     if ds.offload_optimizer == "cpu":
-        per_param += n_trainable * (OFFLOAD_OPTIMIZER_BYTES + (OFFLOAD_HALF_COPY_BYTES if half else 0))
+        per_param += optimizer_ratio * n_trainable * (
+            OFFLOAD_OPTIMIZER_BYTES + (OFFLOAD_HALF_COPY_BYTES if half else 0))
     if ds.offload_param == "cpu":
         per_param += n_params * (2 if half else 4)
     return int(per_param * local_ranks / max(1, world))
@@ -56,18 +57,18 @@ def local_rank_count(world: int) -> int:
 
 
 def check_offload_fits(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int, world: int,
-                       available: int | None) -> None:
+                       available: int | None, optimizer_ratio: float = 1.0) -> None:
     """Refuse, before DeepSpeed allocates it, offloaded state the host cannot hold: the kernel's OOM killer
     would otherwise end the job with SIGKILL minutes later and no message."""
-    need = offload_host_bytes(ds, n_params, n_trainable, local_ranks, world)
+    need = offload_host_bytes(ds, n_params, n_trainable, local_ranks, world, optimizer_ratio)
     if need == 0 or available is None or need <= available:
         return
     offloaded = [f"deepspeed.{k}" for k in ("offload_optimizer", "offload_param") if getattr(ds, k) == "cpu"]
     raise HostMemoryError(
         f"host memory: {' and '.join(offloaded)}=\"cpu\" needs about {need / GiB:.1f} GiB on this node "
         f"({n_trainable / 1e9:.2f} B trainable parameters, {local_ranks} of {world} ranks here) but "
-        f"{available / GiB:.1f} GiB is available; use more nodes, LoRA, offload to \"nvme\", or no offload "
-        "with a higher ZeRO stage")
+        f"{available / GiB:.1f} GiB is available; use more nodes, LoRA, offload to \"nvme\", keep part "
+        "of the optimizer on the GPU (ZeRO stage 3, offload_optimizer.ratio below 1), or no offload")
 
 
 def release_optimizer_state(engine: Any) -> int:
@@ -90,11 +91,14 @@ def release_optimizer_state(engine: Any) -> int:
     keep = {id(p) for p in engine.module.parameters()}
     keep |= {id(t) for t in getattr(wrapper, "fp16_partitioned_groups_flat", [])}
     released = 0
-    for state in inner.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                released += value.numel() * value.element_size()
-    inner.state.clear()
+    # ZeRO-3 with offload_optimizer.ratio below 1 steps its GPU-resident sub-groups with a second optimizer.
+    optimizers = [o for o in (inner, getattr(wrapper, "backup_optimizer", None)) if o is not None]
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    released += value.numel() * value.element_size()
+        opt.state.clear()
     seen: set[int] = set()
     for p in masters:
         if id(p) in seen:
