@@ -201,6 +201,12 @@ BAD_CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "nvme param offload without nvme_path": (
         {"config": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}},
         ["deepspeed.config.zero_optimization.offload_param.nvme_path"]),
+    "partial optimizer offload below stage 3": (
+        {"config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}},
+        ["deepspeed.config.zero_optimization.offload_optimizer.ratio"]),
+    "partial optimizer offload ratio out of range": (
+        {"config": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}}},
+        ["deepspeed.config.zero_optimization.offload_optimizer.ratio"]),
     "misspelt top-level key": (
         {"config": {"trian_batch_size": 8}},
         ["deepspeed.config.trian_batch_size"]),
@@ -254,6 +260,14 @@ def test_stage3_gathers_16bit_weights_on_save() -> None:
     assert _render(zero_stage=3)["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     for stage in (0, 1, 2):
         assert "stage3_gather_16bit_weights_on_model_save" not in _render(zero_stage=stage)["zero_optimization"]
+
+
+def test_partial_optimizer_offload_reaches_deepspeed_on_stage3() -> None:
+    zero = resolve(_job({"zero_optimization": {"stage": 3, "sub_group_size": 500_000_000,
+                                               "offload_optimizer": {"device": "cpu", "ratio": 0.6}}})
+                   ).deepspeed_config["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.6}
+    assert zero["sub_group_size"] == 500_000_000
 
 
 def test_offload_blocks_for_cpu_and_nvme() -> None:
