@@ -35,6 +35,7 @@ for stage in "$@"; do
     trainer_llama1b_z3) run trainer_llama1b_z3 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 ;;
     trainer_llama1b_z3_compile) run trainer_llama1b_z3_compile 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 --compile on ;;
     trainer_llama1b_z2_nocompile) run trainer_llama1b_z2_nocompile 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --compile off ;;
+    trainer_llama1b_z2_fp16) run trainer_llama1b_z2_fp16 300 python3 -m bench.run_trainer --model llama1b --zero 2 --precision fp16 --steps 20 ;;
     trainer_llama1b_z2_flex) run trainer_llama1b_z2_flex 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --attn flex_attention ;;
     mem_*)  # mem_<model>_<z>_<offload>[_lora]: does a full step fit? (activation checkpointing, micro 1; MEM_EXTRA adds flags)
       IFS=_ read -r _ model z off lora <<< "$stage"
