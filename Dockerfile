@@ -3,6 +3,8 @@
 ARG BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel
 FROM ${BASE}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_CUDA_ARCH_LIST="8.0;9.0"
+# libaio: DeepSpeed's async I/O op, which NVMe offload uses.
+RUN apt-get update && apt-get install -y --no-install-recommends libaio-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api api

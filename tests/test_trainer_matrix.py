@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,57 @@ def test_zero3_parameter_offload_trains_and_exports(tmp_path: Path, tiny_model: 
     job = _small_job(tiny_model, _train_file(tmp_path, corpus),
                      deepspeed={"zero_stage": 3, "offload_param": "cpu", "precision": "bf16"})
     _train_and_check(tmp_path, job)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
+    """Hidden 512: its MLP partitions reach DeepSpeed's 1 MiB minimum for swapping to NVMe (the tiny model's
+    stay in host buffers, and nothing would touch the disk)."""
+    from trainer.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "wide-llama", corpus, hidden=512, heads=8, kv_heads=4)
+
+
+def _watch_files(root: Path, seen: set[str], stop: threading.Event) -> None:
+    while not stop.is_set():
+        seen.update(str(p.relative_to(root)) for p in root.rglob("*.swp"))
+        stop.wait(0.05)
+
+
+def _async_io_buildable() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+# CI installs libaio-dev (.ci/run), so this runs there; the rendering of NVMe blocks is tested without it.
+@pytest.mark.skipif(not _async_io_buildable(), reason="NVMe offload needs DeepSpeed's async I/O op, which needs "
+                                                      "libaio-dev (apt-get install libaio-dev)")
+def test_nvme_offload_swaps_in_its_own_folder_and_removes_it(tmp_path: Path, wide_model: Path,
+                                                             corpus: str) -> None:
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    job = _small_job(wide_model, _train_file(tmp_path, corpus),
+                     deepspeed={"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+                                "nvme_path": str(nvme), "precision": "bf16"})
+    seen: set[str] = set()
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_files, args=(nvme, seen, stop))
+    watcher.start()
+    try:
+        events = _train_and_check(tmp_path, job)
+    finally:
+        stop.set()
+        watcher.join()
+    # Optimizer state and parameters of both ranks went through files in this attempt's own folder...
+    for part in ("optimizer", "bfloat16params"):
+        for rank in (0, 1):
+            assert any(f.startswith(f"job-attempt-1/zero_stage_3/{part}/rank{rank}/") for f in seen), sorted(seen)
+    (started,) = of(events, "started")
+    assert any(str(nvme / "job-attempt-1") in a for a in started["adjustments"]), started
+    # ...which is gone once the attempt has ended; the operator's folder itself stays.
+    assert nvme.is_dir() and list(nvme.iterdir()) == []
 
 
 def test_lora_trains_adapter_only_and_merges_on_export(tmp_path: Path, tiny_model: Path, corpus: str) -> None:

@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from trainer import swap
 from worker.logpump import RankLogTail, parse_trainer_event
 from worker.outcome import classify_failure, read_completion
 from worker.settings import WorkerSettings
@@ -77,3 +79,22 @@ def test_prebuild_leaves_the_cpu_ops_where_the_ranks_load_them(tmp_path: Path) -
     printed = subprocess.run([sys.executable, "-m", "worker.prebuild", "--print-dir"], capture_output=True,
                              text=True, timeout=120)
     assert printed.stdout.strip() == str(folder)
+
+
+def test_the_swap_folder_is_per_attempt_and_removed_only_for_nvme_jobs(tmp_path: Path) -> None:
+    def run(device: str, attempt: int) -> dict[str, Any]:
+        return {"attempt": attempt, "paths": {"job_dir": str(tmp_path / "jobs" / "j-42")},
+                "job": {"spec": {"deepspeed": {"nvme_path": str(tmp_path / "nvme")}},
+                        "deepspeed_config": {"zero_optimization": {"offload_optimizer": {"device": device}}}}}
+
+    folder = swap.attempt_folder(run("nvme", 2))
+    assert folder == tmp_path / "nvme" / "j-42-attempt-2"
+    assert swap.attempt_folder(run("cpu", 2)) is None
+    assert swap.point_at(run("nvme", 2)["job"]["deepspeed_config"], folder)["zero_optimization"][
+        "offload_optimizer"] == {"device": "nvme", "nvme_path": str(folder)}
+    (folder / "zero_stage_3" / "optimizer" / "rank0").mkdir(parents=True)
+    (folder / "zero_stage_3" / "optimizer" / "rank0" / "0_1.tensor.swp").write_bytes(b"x")
+    other = tmp_path / "nvme" / "j-43-attempt-1"
+    other.mkdir()
+    assert swap.remove(folder) and not folder.exists()
+    assert other.is_dir() and not swap.remove(folder)

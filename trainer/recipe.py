@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, memory, tuning
+from trainer import checkpoint, export, memory, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -44,6 +45,10 @@ def ds_config(run: RunSpec) -> tuple[dict[str, Any], list[str]]:
     """The rendered DeepSpeed JSON, plus what had to change for this machine (reported in `started`)."""
     cfg = copy.deepcopy(run.job.deepspeed_config)
     adjustments: list[str] = []
+    folder = swap.attempt_folder(run.model_dump())
+    if folder is not None:
+        cfg = swap.point_at(cfg, folder)
+        adjustments.append(f"NVMe swap files in {folder}, removed when the attempt ends")
     offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if not _on_gpu() and offload == "none" and "optimizer" in cfg:
         # FusedAdam is CUDA-only; the offload path already uses DeepSpeed's CPU Adam.
@@ -247,6 +252,10 @@ def run(run_spec: RunSpec) -> None:
     memory.release_optimizer_state(engine)
     export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
                   state.last_loss)
+    # export() ends on a barrier: no rank swaps any more. One process per node clears the node's folder.
+    folder = swap.attempt_folder(run_spec.model_dump())
+    if folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        swap.remove(folder)
 
 
 def cleanup() -> None:

@@ -23,8 +23,10 @@ from worker.supervisor import extensions_dir, release_stale_build_locks
 
 log = logging.getLogger("worker.prebuild")
 
-# The ops a rank can load: CPU Adam for optimizer offload, and on CUDA FusedAdam for the optimizer.
-OPS_BY_ACCELERATOR = {"cpu": ["CPUAdamBuilder"], "cuda": ["FusedAdamBuilder", "CPUAdamBuilder"]}
+# The ops a rank can load: CPU Adam for optimizer offload, async I/O for NVMe offload (needs libaio), and
+# on CUDA FusedAdam for the optimizer.
+OPS_BY_ACCELERATOR = {"cpu": ["CPUAdamBuilder", "AsyncIOBuilder"],
+                      "cuda": ["FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder"]}
 
 
 def build_ops(folder: Path) -> dict[str, float]:

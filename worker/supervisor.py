@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from trainer import swap
 from worker.keys import attempt_key, cancel_key, claim_key, lease_key
 from worker.logpump import LineReader, RankLogTail, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
@@ -218,6 +219,10 @@ class Attempt:
         elif reason is not None or proc.returncode != 0:
             for lock in release_stale_build_locks(ext_dir):
                 self.pending.append(("log", {"rank": None, "line": f"removed the stale op build lock {lock}"}))
+        folder = swap.attempt_folder(self.run_spec)
+        # The trainer clears it after a completed export; a failed, cancelled or killed attempt cannot.
+        if gone and folder is not None and swap.remove(folder):
+            self.pending.append(("log", {"rank": None, "line": f"removed the attempt's NVMe swap folder {folder}"}))
         return self.decide(reason, proc.returncode, output_dir, time_limit)
 
     def decide(self, reason: str | None, exit_code: int | None, output_dir: Path, time_limit: int) -> Outcome:
