@@ -22,6 +22,8 @@ def model_config(name: str) -> PretrainedConfig:
         "llama6b": (4096, 24, 32, 8, 14336, False),  # Llama-3.1-8B width, 24 of its 32 layers
         "llama7b": (4096, 28, 32, 8, 14336, False),  # Llama-3.1-8B width, 28 of its 32 layers
         "llama8b": (4096, 32, 32, 8, 14336, False),  # Llama-3.1-8B
+        "llama10b": (4096, 40, 32, 8, 14336, False),  # Llama-3.1-8B width, 40 layers: 9.8 B
+        "llama11b": (4096, 48, 32, 8, 14336, False),  # Llama-3.1-8B width, 48 layers: 11.5 B
         "llama14b": (5120, 40, 40, 8, 17920, False),
         "llama32b": (6144, 60, 48, 8, 20480, False),
         "llama45b": (8192, 48, 64, 8, 28672, False),  # Llama-3-70B width, 48 of its 80 layers
