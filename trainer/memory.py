@@ -16,7 +16,9 @@ GiB = 2**30
 
 # Host bytes per trainable parameter that ZeRO's CPU optimizer offload keeps: fp32 master weights, fp32
 # gradient partition and two Adam moments (16), plus the 16-bit copy CPU Adam writes back to the GPU (2).
-# 18 is what a 7.2 B full fine-tune held on an H200 node (bench/RESULTS.md, host memory section).
+# 18 is what a 7.2 B ZeRO-2 full fine-tune held on an H200 node (bench/RESULTS.md, memory section); ZeRO-3
+# with a partial offload measured ~20 per offloaded parameter, and its sub-group split can put a little more
+# than `ratio` on the host, so the check refuses what cannot fit rather than promising what will.
 OFFLOAD_OPTIMIZER_BYTES = 16
 OFFLOAD_HALF_COPY_BYTES = 2
 
@@ -30,13 +32,13 @@ def offload_host_bytes(ds: DeepSpeedOptions, n_params: int, n_trainable: int, lo
     """What this node's ranks will hold in host memory for offloaded state (ZeRO partitions it over all
     ranks, so a node holds its ranks' share; ZeRO-3's `ratio` keeps the rest of the optimizer on the GPU)."""
     half = ds.precision in ("bf16", "fp16")
-    per_param = 0.0
+    total = 0.0
     if ds.offload_optimizer == "cpu":
-        per_param += optimizer_ratio * n_trainable * (
+        total += optimizer_ratio * n_trainable * (
             OFFLOAD_OPTIMIZER_BYTES + (OFFLOAD_HALF_COPY_BYTES if half else 0))
     if ds.offload_param == "cpu":
-        per_param += n_params * (2 if half else 4)
-    return int(per_param * local_ranks / max(1, world))
+        total += n_params * (2 if half else 4)
+    return int(total * local_ranks / max(1, world))
 
 
 def available_host_bytes() -> int | None:
