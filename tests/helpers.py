@@ -17,6 +17,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def async_io_buildable() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) can be built here: it needs libaio-dev."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+NO_ASYNC_IO = ("NVMe offload needs DeepSpeed's async I/O op, which needs libaio-dev (apt-get install libaio-dev); "
+               "CI installs it")
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 
 from scripts.client import sse_events
-from tests.helpers import events_of, job_processes, wait_for, wait_status
+from tests.helpers import NO_ASYNC_IO, async_io_buildable, events_of, job_processes, wait_for, wait_status
 
 
 def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make_job: Any) -> None:
@@ -75,6 +76,27 @@ def test_cancelling_a_running_job_stops_every_process(api: httpx.Client, make_jo
     wait_for(lambda: not job_processes(job["id"]), 5, "every process of the job to be gone")
     again = api.post(f"/jobs/{job['id']}/cancel")
     assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
+
+
+@pytest.mark.skipif(not async_io_buildable(), reason=NO_ASYNC_IO)
+def test_a_cancelled_nvme_offload_job_leaves_no_swap_folder(api: httpx.Client, make_job: Any,
+                                                            stack_env: dict[str, str]) -> None:
+    team = Path(stack_env["FT_NVME_ROOT"]) / "team-a"
+    team.mkdir(parents=True, exist_ok=True)
+    job = api.post("/jobs", json=make_job(
+        name="nvme-cancel", hyperparameters={"max_steps": 100_000},
+        deepspeed={"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+                   "nvme_path": "team-a"})).json()
+    assert "id" in job, job
+    folder = team / f"{job['id']}-attempt-1"
+    wait_for(lambda: any(e["type"] == "progress" for e in events_of(api, job["id"], ["progress"])), 180,
+             "the first progress event")
+    assert folder.is_dir(), sorted(p.name for p in team.iterdir())
+    api.post(f"/jobs/{job['id']}/cancel")
+    assert wait_status(api, job["id"], {"cancelled", "failed", "succeeded"}, timeout=15)["status"] == "cancelled"
+    # The trainer was killed and could not clean up; the worker removes the attempt's folder, and only it.
+    wait_for(lambda: not folder.exists(), 10, "the attempt's NVMe swap folder to be removed")
+    assert team.is_dir()
 
 
 def test_killed_worker_is_replaced_and_the_job_resumes_from_its_checkpoint(api: httpx.Client, stack: Any,

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import NO_ASYNC_IO, async_io_buildable
+
 pytest.register_assert_rewrite("tests.trainer_support")  # its asserts report values, like a test module's
 
 from tests.trainer_support import (  # noqa: E402
@@ -157,16 +159,8 @@ def _watch_files(root: Path, seen: set[str], stop: threading.Event) -> None:
         stop.wait(0.05)
 
 
-def _async_io_buildable() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder is not None and bool(builder.is_compatible(verbose=False))
-
-
 # CI installs libaio-dev (.ci/run), so this runs there; the rendering of NVMe blocks is tested without it.
-@pytest.mark.skipif(not _async_io_buildable(), reason="NVMe offload needs DeepSpeed's async I/O op, which needs "
-                                                      "libaio-dev (apt-get install libaio-dev)")
+@pytest.mark.skipif(not async_io_buildable(), reason=NO_ASYNC_IO)
 def test_nvme_offload_swaps_in_its_own_folder_and_removes_it(tmp_path: Path, wide_model: Path,
                                                              corpus: str) -> None:
     nvme = tmp_path / "nvme"
