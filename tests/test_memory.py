@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_support import REPO, free_port, ops_dir
-from trainer.memory import GiB, HostMemoryError, check_offload_fits, offload_host_bytes
+from trainer.memory import GiB, HostMemoryError, check_offload_fits, offload_host_bytes, offloaded_share
 from trainer.spec import DeepSpeedOptions
 
 LLAMA8B, LLAMA7B = 8_030_261_248, 7_157_813_248
@@ -50,6 +50,14 @@ def test_offload_host_bytes_per_parameter() -> None:
     stage3 = _ds(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")
     assert offload_host_bytes(stage3, n, n, 8, 8) == 20 * n
     assert offload_host_bytes(_ds(offload_optimizer="nvme", nvme_path="/nvme/x", zero_stage=3), n, n, 1, 1) == 0
+
+
+def test_partial_offload_share_follows_deepspeeds_sub_groups() -> None:
+    # The measured 8.0 B run: ratio 0.6 in sub-groups of 5e8 put 11 of 17 groups on the CPU.
+    assert offloaded_share(0.6, LLAMA8B, 500_000_000) == pytest.approx(11 / 17)
+    assert offloaded_share(1.0, LLAMA8B) == 1.0
+    assert offloaded_share(0.5, 10_000) == 1.0  # one sub-group: int(0.5 * 1) = 0 on the GPU
+    assert offloaded_share(0.0, LLAMA8B, 500_000_000) == 0.0
 
 
 def _probe(stage: int, offload: str, precision: str, ratio: float = 1.0) -> dict[str, object]:

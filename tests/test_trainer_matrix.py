@@ -144,6 +144,16 @@ def test_zero3_parameter_offload_trains_and_exports(tmp_path: Path, tiny_model: 
     _train_and_check(tmp_path, job)
 
 
+def test_zero3_partial_optimizer_offload_trains_and_exports(tmp_path: Path, tiny_model: Path, corpus: str) -> None:
+    # Half of the sub-groups stepped by CPU Adam, half by an optimizer on the device (here also the CPU).
+    job = _small_job(tiny_model, _train_file(tmp_path, corpus),
+                     deepspeed={"zero_stage": 3, "offload_optimizer": "cpu", "precision": "bf16",
+                                "config": {"zero_optimization": {"sub_group_size": 20_000,
+                                                                 "offload_optimizer": {"device": "cpu",
+                                                                                       "ratio": 0.5}}}})
+    _train_and_check(tmp_path, job)
+
+
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
     """Hidden 512: its MLP partitions reach DeepSpeed's 1 MiB minimum for swapping to NVMe (the tiny model's

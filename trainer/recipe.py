@@ -157,9 +157,11 @@ def run(run_spec: RunSpec) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg, adjustments = ds_config(run_spec)
-    ratio = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("ratio", 1.0)
+    zero = cfg.get("zero_optimization", {})
+    share = memory.offloaded_share(zero.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
+                                   int(zero.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
     memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
-                              memory.available_host_bytes(), optimizer_ratio=ratio)
+                              memory.available_host_bytes(), optimizer_ratio=share)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
     if job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
