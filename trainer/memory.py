@@ -21,8 +21,6 @@ GiB = 2**30
 # than `ratio` on the host, so the check refuses what cannot fit rather than promising what will.
 OFFLOAD_OPTIMIZER_BYTES = 16
 OFFLOAD_HALF_COPY_BYTES = 2
-
-
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
 
 
@@ -41,13 +39,14 @@ class HostMemoryError(TrainerError):
 
 
 def offload_host_bytes(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int,
-                       world: int, optimizer_ratio: float = 1.0) -> int:
+                       world: int, optimizer_share: float = 1.0) -> int:
     """What this node's ranks will hold in host memory for offloaded state (ZeRO partitions it over all
-    ranks, so a node holds its ranks' share; ZeRO-3's `ratio` keeps the rest of the optimizer on the GPU)."""
+    ranks, so a node holds its ranks' share; `optimizer_share` is what ZeRO-3's `ratio` leaves on the CPU:
+    see offloaded_share)."""
     half = ds.precision in ("bf16", "fp16")
     total = 0.0
     if ds.offload_optimizer == "cpu":
-        total += optimizer_ratio * n_trainable * (
+        total += optimizer_share * n_trainable * (
             OFFLOAD_OPTIMIZER_BYTES + (OFFLOAD_HALF_COPY_BYTES if half else 0))
     if ds.offload_param == "cpu":
         total += n_params * (2 if half else 4)
@@ -72,10 +71,10 @@ def local_rank_count(world: int) -> int:
 
 
 def check_offload_fits(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int, world: int,
-                       available: int | None, optimizer_ratio: float = 1.0) -> None:
+                       available: int | None, optimizer_share: float = 1.0) -> None:
     """Refuse, before DeepSpeed allocates it, offloaded state the host cannot hold: the kernel's OOM killer
     would otherwise end the job with SIGKILL minutes later and no message."""
-    need = offload_host_bytes(ds, n_params, n_trainable, local_ranks, world, optimizer_ratio)
+    need = offload_host_bytes(ds, n_params, n_trainable, local_ranks, world, optimizer_share)
     if need == 0 or available is None or need <= available:
         return
     offloaded = [f"deepspeed.{k}" for k in ("offload_optimizer", "offload_param") if getattr(ds, k) == "cpu"]

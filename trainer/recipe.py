@@ -41,14 +41,13 @@ def _on_gpu() -> bool:
     return get_accelerator().device_name() == "cuda"
 
 
-def ds_config(run: RunSpec) -> tuple[dict[str, Any], list[str]]:
+def ds_config(run: RunSpec, swap_folder: Path | None) -> tuple[dict[str, Any], list[str]]:
     """The rendered DeepSpeed JSON, plus what had to change for this machine (reported in `started`)."""
     cfg = copy.deepcopy(run.job.deepspeed_config)
     adjustments: list[str] = []
-    folder = swap.attempt_folder(run.model_dump())
-    if folder is not None:
-        cfg = swap.point_at(cfg, folder)
-        adjustments.append(f"NVMe swap files in {folder}, removed when the attempt ends")
+    if swap_folder is not None:
+        cfg = swap.point_at(cfg, swap_folder)
+        adjustments.append(f"NVMe swap files in {swap_folder}, removed when the attempt ends")
     offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if not _on_gpu() and offload == "none" and "optimizer" in cfg:
         # FusedAdam is CUDA-only; the offload path already uses DeepSpeed's CPU Adam.
@@ -156,12 +155,13 @@ def run(run_spec: RunSpec) -> None:
     model = load_model(spec, location, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    cfg, adjustments = ds_config(run_spec)
+    swap_folder = swap.attempt_folder(run_spec.model_dump())
+    cfg, adjustments = ds_config(run_spec, swap_folder)
     zero = cfg.get("zero_optimization", {})
     share = memory.offloaded_share(zero.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
                                    int(zero.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
     memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
-                              memory.available_host_bytes(), optimizer_ratio=share)
+                              memory.available_host_bytes(), optimizer_share=share)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
     if job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
@@ -255,9 +255,8 @@ def run(run_spec: RunSpec) -> None:
     export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
                   state.last_loss)
     # export() ends on a barrier: no rank swaps any more. One process per node clears the node's folder.
-    folder = swap.attempt_folder(run_spec.model_dump())
-    if folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        swap.remove(folder)
+    if swap_folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        swap.remove(swap_folder)
 
 
 def cleanup() -> None:
