@@ -94,6 +94,14 @@ def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     return out
 
 
+def exported(spec: Path) -> dict[str, Any]:
+    """The committed export's weight size: evidence in the figure line that the run got past its export."""
+    out = Path(RunSpec.model_validate_json(spec.read_text()).paths.output_dir)
+    if not (out / "COMPLETE").exists():
+        return {"export_GB": None}
+    return {"export_GB": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e9, 2)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama1b")
@@ -132,7 +140,8 @@ def main() -> None:
     row = {"recipe": a.label, "model": a.model, "zero": a.zero, "precision": a.precision, "offload": a.offload,
            "lora": a.lora, "seq": a.seq, "global_batch": a.global_batch, "activation_checkpointing": a.ckpt,
            "pin_memory": not a.no_pin, "offload_ratio": a.offload_ratio,
-           "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip)}
+           "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip),
+           **exported(spec)}
     print(json.dumps(row), flush=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
