@@ -45,6 +45,18 @@ def test_failures_are_classified_from_the_trainer_error_first_then_the_log() -> 
     assert killed["code"] == "killed" and "host memory" in killed["message"]
     assert classify_failure(1, None, launcher_tail)["code"] == "killed"
     assert classify_failure(1, None, ["Traceback ..."])["code"] == "trainer_error"
+    # A rank killed by a signal is the cause even when the surviving rank reported its broken connection.
+    gloo = {"code": "trainer_error", "message": "Connection closed by peer [127.0.0.1]:29500"}
+    rank1 = classify_failure(247, gloo, launcher_tail, first_dead_rank=1)
+    assert rank1["code"] == "killed" and rank1["rank"] == "1" and rank1["signal"] == "SIGKILL"
+    assert rank1["message"].startswith("rank 1 was killed by SIGKILL")
+    segv = classify_failure(1, gloo, [launcher_tail[0].replace("-9", "-11")], first_dead_rank=0)
+    assert segv["code"] == "killed" and "rank 0 was killed by SIGSEGV" in segv["message"]
+    # An NCCL watchdog aborts its rank: the log names the real cause, the signal is its consequence.
+    nccl = classify_failure(1, None, ["Watchdog caught collective operation timeout",
+                                      launcher_tail[0].replace("-9", "-6")])
+    assert nccl["code"] == "nccl_timeout"
+    assert classify_failure(1, None, [launcher_tail[0].replace("-9", "1")])["code"] == "trainer_error"
 
 
 def test_completion_needs_the_marker_and_the_exported_model(tmp_path: Path) -> None:

@@ -1,8 +1,14 @@
-"""Checkpoints that are complete or ignored: a tag dir counts only once rank 0 wrote COMMITTED into it."""
+"""Checkpoints that are complete or ignored: a tag dir counts only once rank 0 wrote COMMITTED into it.
+
+Every rank writes a checkpoint into its attempt's staging folder (`checkpoints/.attempt-N/step-K`); rank 0
+moves it to `checkpoints/step-K` and commits it only while the attempt is current (trainer/fence.py), so
+a superseded attempt can never replace or add a checkpoint that a newer one resumes from.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -15,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.events import emit_rank0
+from trainer.fence import Fence
 
 COMMITTED = "COMMITTED"
 STATE_FILE = "trainer_state.json"
@@ -66,24 +73,29 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int) -> Path:
+def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence) -> Path:
     """Collective: every rank must call it at the same step."""
     tag = tag_for(state.step)
+    staged = fence.staging(checkpoint_dir) / tag
     tag_dir = checkpoint_dir / tag
-    if rank == 0 and tag_dir.exists():
-        # Leftovers of an attempt that died while saving this very step: never mix old and new shards.
-        shutil.rmtree(tag_dir)
+    if rank == 0 and staged.exists():
+        shutil.rmtree(staged)  # never mix the shards of two saves
     _barrier()
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"trainer_state": asdict(state)},
+    engine.save_checkpoint(str(staged.parent), tag=tag, client_state={"trainer_state": asdict(state)},
                            save_latest=False)
     # Each rank keeps its own RNG stream (dropout masks differ per rank).
-    (tag_dir / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
+    (staged / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
     if rank == 0:
-        (tag_dir / STATE_FILE).write_text(json.dumps(asdict(state)))
+        (staged / STATE_FILE).write_text(json.dumps(asdict(state)))
     _barrier()
     removed: list[str] = []
     if rank == 0:
-        (tag_dir / COMMITTED).write_text(json.dumps({"step": state.step}))
+        fence.check(f"checkpoint {tag}")
+        if tag_dir.exists():
+            # Leftovers of an attempt that died between the move and the commit of this very step.
+            shutil.rmtree(tag_dir)
+        os.rename(staged, tag_dir)
+        (tag_dir / COMMITTED).write_text(json.dumps({"step": state.step, "attempt": fence.attempt}))
         tags = committed_tags(checkpoint_dir)
         for old in tags[: max(0, len(tags) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
@@ -94,7 +106,9 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     return tag_dir
 
 
-def resume(engine: Any, checkpoint_dir: Path, rank: int) -> TrainerState | None:
+def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence) -> TrainerState | None:
+    if rank == 0:
+        fence.remove_older_staging(checkpoint_dir)
     tags = committed_tags(checkpoint_dir)
     if not tags:
         return None

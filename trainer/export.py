@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from trainer.events import emit_rank0
+from trainer.fence import Fence
 from trainer.spec import JobSpec
 
 COMPLETE = "COMPLETE"
@@ -44,30 +47,35 @@ def _list_files(out: Path) -> list[str]:
 
 
 def export(engine: Any, tokenizer: PreTrainedTokenizerBase, spec: JobSpec, model_location: str,
-           output_dir: Path, rank: int, step: int, final_loss: float | None) -> list[str]:
-    """Collective: every rank must call it."""
+           output_dir: Path, rank: int, step: int, final_loss: float | None, fence: Fence) -> list[str]:
+    """Collective: every rank must call it. The files are written into the attempt's staging folder and
+    moved to `output_dir` only while the attempt is current, then marked COMPLETE."""
     module = engine.module
     stage3 = spec.deepspeed.zero_stage == 3
     state = _gather_stage3_state_dict(module, rank) if stage3 else None
+    staged = fence.staging(output_dir.parent, "output")
     if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        marker = output_dir / COMPLETE
-        if marker.exists():
-            # A rerun overwrites the export: the old marker must not vouch for half-written new files.
-            marker.unlink()
+        if staged.exists():
+            shutil.rmtree(staged)
+        staged.mkdir(parents=True)
         # With LoRA, peft's save_pretrained writes only the adapter (it filters the state dict itself).
-        module.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir)
+        module.save_pretrained(staged, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(staged)
         gen = getattr(module, "generation_config", None)
-        if gen is not None and not (output_dir / "generation_config.json").exists():
-            gen.save_pretrained(output_dir)
+        if gen is not None and not (staged / "generation_config.json").exists():
+            gen.save_pretrained(staged)
         if spec.lora is not None and spec.lora.merge_on_export:
-            _write_merged(spec, model_location, output_dir, tokenizer)
+            _write_merged(spec, model_location, staged, tokenizer)
     _barrier()
     files: list[str] = []
     if rank == 0:
-        files = _list_files(output_dir)
-        marker = {"step": step, "files": files, "final_loss": final_loss}
+        files = _list_files(staged)
+        fence.check("its export")
+        if output_dir.exists():
+            # An earlier attempt's export (or half of one): the marker below vouches for these files only.
+            shutil.rmtree(output_dir)
+        os.rename(staged, output_dir)
+        marker = {"step": step, "files": files, "final_loss": final_loss, "attempt": fence.attempt}
         (output_dir / COMPLETE).write_text(json.dumps(marker))
         emit_rank0("completed", output_dir=str(output_dir), files=files, steps=step, final_loss=final_loss)
     _barrier()

@@ -23,6 +23,7 @@ from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
 from trainer.events import emit_rank0
+from trainer.fence import Fence
 from trainer.modeling import load_model, load_tokenizer, model_location
 from trainer.schedule import scheduler_factory
 from trainer.spec import RunSpec
@@ -179,7 +180,8 @@ def run(run_spec: RunSpec) -> None:
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
 
     ckpt_dir = Path(paths.checkpoint_dir)
-    state = checkpoint.resume(engine, ckpt_dir, rank) or TrainerState()
+    fence = Fence(Path(paths.job_dir), run_spec.attempt)
+    state = checkpoint.resume(engine, ckpt_dir, rank, fence) or TrainerState()
     emit_rank0("started", world_size=world, total_steps=total_steps,
                resumed_from_step=state.step if state.step else None, micro_batch_size=micro,
                gradient_accumulation_steps=accum,
@@ -240,11 +242,11 @@ def run(run_spec: RunSpec) -> None:
             loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
             emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
         if stop_votes > 0:
-            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
+            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
             emit_rank0("interrupted", step=state.step, reason="SIGTERM")
             raise Interrupted(state.step)
         if every and state.step % every == 0:
-            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank)
+            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
 
     if val_blocks is not None:
         loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
@@ -253,7 +255,7 @@ def run(run_spec: RunSpec) -> None:
     # export then builds the model's files.
     memory.release_optimizer_state(engine)
     export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
-                  state.last_loss)
+                  state.last_loss, fence)
     # export() ends on a barrier: no rank swaps any more. One process per node clears the node's folder.
     if swap_folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         swap.remove(swap_folder)

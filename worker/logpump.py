@@ -79,3 +79,40 @@ def parse_trainer_event(line: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) and isinstance(obj.get("event"), str) else None
+
+
+SPAWNED = re.compile(r"process (\d+) spawned with command: .*--local_rank=(\d+)")
+
+
+class RankWatch:
+    """Which rank ended first, from the launcher's own lines and /proc.
+
+    The launcher logs the exit code of the first rank that failed, but next to the command of another;
+    when a rank is killed it then ends the others. The rank whose process was seen gone first is the one
+    that died on its own.
+    """
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}  # pid -> local rank
+        self.first_dead: int | None = None
+
+    def see(self, line: str) -> None:
+        m = SPAWNED.search(line)
+        if m:
+            self.pids[int(m.group(1))] = int(m.group(2))
+
+    def poll(self) -> None:
+        if self.first_dead is not None:
+            return
+        for pid, rank in self.pids.items():
+            if not _alive(pid):
+                self.first_dead = rank
+                return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,28 @@ LOG_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 ]
 
 
-# The DeepSpeed launcher logs each rank's exit code and exits with it as a status byte (-9 -> 247).
-RANK_KILLED = re.compile(r"exits with return code = -9\b")
-KILLED_EXIT_CODES = (-9, 9, 137, 247)
+# The DeepSpeed launcher logs the first failed rank's exit code (a signal as -N) and exits with it as a
+# status byte (-9 -> 247).
+RANK_EXIT = re.compile(r"exits with return code = (-?\d+)\b")
+
+
+def signal_of(exit_code: int | None, tail: str) -> int | None:
+    """The signal that ended the first failed rank, if a signal did."""
+    codes = [int(m.group(1)) for m in RANK_EXIT.finditer(tail)]
+    if codes and codes[0] < 0:
+        return -codes[0]
+    if exit_code is not None and exit_code < 0:
+        return -exit_code
+    if exit_code is not None and 129 <= exit_code <= 255 and not codes:
+        return 256 - exit_code if exit_code > 192 else exit_code - 128
+    return None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class Status(str, enum.Enum):
@@ -28,6 +48,7 @@ class Status(str, enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     STALE = "stale"  # superseded by a newer attempt: report nothing
+    RELEASED = "released"  # the worker shut down after a checkpoint: the control plane requeues the job
 
 
 @dataclass
@@ -56,21 +77,29 @@ def read_completion(output_dir: Path) -> dict[str, Any] | None:
         k: v for k, v in info.items() if k in ("step", "final_loss")}}
 
 
-def classify_failure(exit_code: int | None, trainer_error: dict[str, Any] | None,
-                     log_tail: list[str]) -> dict[str, str]:
+def classify_failure(exit_code: int | None, trainer_error: dict[str, Any] | None, log_tail: list[str],
+                     first_dead_rank: int | None = None) -> dict[str, str]:
+    """The error of a failed attempt. A rank ended by a signal the service did not send comes first: the
+    other ranks then fail on their broken connections, and their errors are consequences, not the cause."""
     tail = "\n".join(log_tail)
+    signum = signal_of(exit_code, tail)
+    pattern = next((name for name, pat in LOG_PATTERNS if pat.search(tail)), None)
+    if signum is not None and (signum == signal.SIGKILL or pattern is None):
+        who = "a training process" if first_dead_rank is None else f"rank {first_dead_rank}"
+        message = f"{who} was killed by {_signal_name(signum)}"
+        if signum == signal.SIGKILL:
+            # Nothing in the service sent it (that is reported as cancelled or timed out), so the usual
+            # sender is the kernel: operators need the likely cause, not just the number.
+            message += (" and left no error of its own; when no operator killed it, this is the kernel's "
+                        "out-of-memory killer: the node ran out of host memory (optimizer or parameter "
+                        "offload to the CPU, data loading)")
+        return {"code": "killed", "message": message, "log_tail": tail[-4000:],
+                **({"rank": str(first_dead_rank)} if first_dead_rank is not None else {}),
+                "signal": _signal_name(signum)}
     if trainer_error and trainer_error.get("code"):
         code = str(trainer_error["code"])
         message = str(trainer_error.get("message", ""))
     else:
-        code = next((name for name, pat in LOG_PATTERNS if pat.search(tail)), None)
+        code = pattern or "trainer_error"
         message = f"the trainer exited with code {exit_code} without completing"
-        if code is None and (exit_code in KILLED_EXIT_CODES or RANK_KILLED.search(tail)):
-            code = "killed"
-            # Nothing in the service sent it (that is reported as cancelled or timed out), so the usual
-            # sender is the kernel: operators need the likely cause, not just the number.
-            message = ("a training process was killed with SIGKILL and left no error of its own; when no "
-                       "operator killed it, this is the kernel's out-of-memory killer: the node ran out of "
-                       "host memory (optimizer or parameter offload to the CPU, data loading)")
-        code = code or "trainer_error"
     return {"code": code, "message": message, "log_tail": tail[-4000:]}

@@ -17,20 +17,22 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from trainer import swap
+from trainer import fence, swap
 from worker.keys import attempt_key, cancel_key, claim_key, lease_key
-from worker.logpump import LineReader, RankLogTail, parse_trainer_event
+from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+FENCED = "FENCED"  # left in the attempt's folder by the guard that ended it (worker/guard.py)
 
 
 def free_port() -> int:
@@ -46,9 +48,9 @@ def launcher_argv(python: str, num_procs: int, spec_file: Path, log_dir: Path) -
             "--module", "trainer", "--spec", str(spec_file)]
 
 
-def spawn(argv: list[str], *, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], *, env: dict[str, str], cwd: Path, guard: list[str]) -> subprocess.Popen[bytes]:
     """Start argv under the guard in a new session: its process group is the job's, to kill at once."""
-    guarded = [sys.executable, "-m", "worker.guard", "--", *argv]
+    guarded = [sys.executable, "-m", "worker.guard", *guard, "--", *argv]
     return subprocess.Popen(guarded, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -94,8 +96,10 @@ class Attempt:
     """The running state of one attempt; `run()` returns how it ended."""
 
     def __init__(self, *, job_id: str, attempt: int, job_dir: Path, run: dict[str, Any],
-                 settings: WorkerSettings, client: redis.Redis) -> None:
+                 settings: WorkerSettings, client: redis.Redis,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.job_id, self.attempt, self.job_dir = job_id, attempt, job_dir
+        self.attempt_dir = job_dir / "attempts" / str(attempt)
         self.run_spec = {**run, "attempt": attempt}
         self.settings = settings
         self.r = client
@@ -106,6 +110,9 @@ class Attempt:
         self.trainer_error: dict[str, Any] | None = None
         self.running_reported = False
         self.usage: dict[str, float] = {}
+        self.rank_watch = RankWatch()
+        self.stopping = stopping
+        self.lease_expires_at = 0.0  # epoch seconds: when the last lease this worker set runs out
 
     # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
     def flush(self) -> None:
@@ -129,14 +136,17 @@ class Attempt:
         return "cancel" if cancelled else None
 
     def heartbeat(self, ttl: float) -> None:
+        sent = time.time()
         try:
             self.r.set(lease_key(self.job_id, self.attempt), self.worker_id, px=int(ttl * 1000))
+            self.lease_expires_at = sent + ttl
         except redis.RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
 
     # -- output ---------------------------------------------------------------------------------
     def collect(self, reader: LineReader, ranks: RankLogTail, final: bool = False) -> None:
         for line in reader.take():
+            self.rank_watch.see(line)
             self.tail.append(line)
             self.pending.append(("log", {"rank": None, "line": line}))
         for rank, line in (ranks.close() if final else ranks.poll()):
@@ -155,19 +165,30 @@ class Attempt:
 
     # -- the attempt ----------------------------------------------------------------------------
     def prepare(self) -> tuple[Path, Path, Path]:
-        attempt_dir = self.job_dir / "attempts" / str(self.attempt)
-        log_dir = attempt_dir / "logs"
+        log_dir = self.attempt_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         output_dir = Path(self.run_spec["paths"]["output_dir"])
         # A marker left by an earlier attempt must not make this one look finished.
         (output_dir / "COMPLETE").unlink(missing_ok=True)
-        spec_file = attempt_dir / "spec.json"
+        spec_file = self.attempt_dir / "spec.json"
         spec_file.write_text(json.dumps(self.run_spec, indent=2))
-        (attempt_dir / "ds_config.json").write_text(json.dumps(self.run_spec["job"]["deepspeed_config"], indent=2))
+        (self.attempt_dir / "ds_config.json").write_text(
+            json.dumps(self.run_spec["job"]["deepspeed_config"], indent=2))
         return spec_file, log_dir, output_dir
+
+    def guard_args(self) -> list[str]:
+        return ["--redis", self.settings.redis_url, "--job", self.job_id, "--attempt", str(self.attempt),
+                "--owner", self.worker_id, "--lease-expires-at", repr(self.lease_expires_at),
+                "--fenced-file", str(self.attempt_dir / FENCED)]
 
     def execute(self) -> Outcome:
         s = self.settings
+        # From here on no older attempt can commit a checkpoint or an export (trainer/fence.py).
+        newest = fence.raise_to(self.job_dir, self.attempt)
+        if newest > self.attempt:
+            log.info("job %s attempt %s: attempt %s already started here; nothing to do", self.job_id,
+                     self.attempt, newest)
+            return Outcome(Status.STALE)
         spec_file, log_dir, output_dir = self.prepare()
         ext_dir = extensions_dir(s)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(ext_dir),
@@ -176,7 +197,7 @@ class Attempt:
         self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
         # The worker runs one job at a time, so the growth of its children's CPU time is this job's.
         before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-        proc = spawn(argv, env=env, cwd=self.job_dir)
+        proc = spawn(argv, env=env, cwd=self.job_dir, guard=self.guard_args())
         pgid = proc.pid
         reader = LineReader(proc.stdout)  # type: ignore[arg-type]
         reader.start()
@@ -194,6 +215,7 @@ class Attempt:
                 if now >= next_beat:
                     self.heartbeat(s.lease_ttl_seconds)
                     next_beat = now + s.heartbeat_seconds
+                self.rank_watch.poll()
                 if reason is None:
                     reason = self.control()
                     if reason is not None:
@@ -201,6 +223,13 @@ class Attempt:
                     elif now >= deadline:
                         reason, term_at = "time_limit", now
                         kill_group(pgid, signal.SIGTERM)  # the trainer saves a checkpoint on SIGTERM
+                    elif self.stopping():
+                        # The worker is shutting down (a deploy): checkpoint, then hand the job back.
+                        reason, term_at = "released", now
+                        kill_group(pgid, signal.SIGTERM)
+                        self.pending.append(("log", {"rank": None, "line": (
+                            "the worker is shutting down: the trainer saves a checkpoint and the job is "
+                            "requeued to resume from it")}))
                 if term_at is not None and now - term_at > s.term_grace_seconds:
                     kill_group(pgid, signal.SIGKILL)
                 time.sleep(s.poll_seconds)
@@ -214,6 +243,11 @@ class Attempt:
                           "wall_seconds": round(time.monotonic() - started, 2)}
         reader.join(timeout=2)
         self.collect(reader, ranks, final=True)
+        fenced = self.attempt_dir / FENCED
+        if fenced.is_file():
+            reason = "stale"
+            log.warning("job %s attempt %s was fenced by its guard: %s", self.job_id, self.attempt,
+                        fenced.read_text())
         if not gone:
             self.pending.append(("log", {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
         elif reason is not None or proc.returncode != 0:
@@ -237,10 +271,22 @@ class Attempt:
         completion = read_completion(output_dir)
         if completion is not None:
             return Outcome(Status.SUCCEEDED, output=completion)
-        return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail)))
+        if reason == "released":
+            return Outcome(Status.RELEASED)
+        return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail),
+                                                             first_dead_rank=self.rank_watch.first_dead))
 
     def report(self, outcome: Outcome) -> None:
         if outcome.status is Status.STALE:
+            return
+        if outcome.status is Status.RELEASED:
+            self.flush()
+            # No terminal state: the job is not over. Without its lease the control plane requeues it
+            # as the next attempt, which resumes from the checkpoint just saved.
+            try:
+                self.r.delete(lease_key(self.job_id, self.attempt))
+            except redis.RedisError as exc:
+                log.warning("could not drop the lease (it expires by itself): %s", exc)
             return
         data: dict[str, Any] = {"status": outcome.status.value, "usage": self.usage}
         if outcome.error:
@@ -259,7 +305,8 @@ class Attempt:
 
 
 def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,
-              client: redis.Redis | None = None) -> Status:
+              client: redis.Redis | None = None, stopping: Callable[[], bool] = lambda: False) -> Status:
+    """Run one attempt to its end; `stopping` says when the worker itself is shutting down."""
     r = client or redis.Redis.from_url(settings.redis_url)
     current = r.get(attempt_key(job_id))
     if current is not None and int(current) != attempt:
@@ -269,7 +316,8 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
                  ex=30 * 24 * 3600):
         log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
         return Status.STALE
-    att = Attempt(job_id=job_id, attempt=attempt, job_dir=Path(job_dir), run=run, settings=settings, client=r)
+    att = Attempt(job_id=job_id, attempt=attempt, job_dir=Path(job_dir), run=run, settings=settings, client=r,
+                  stopping=stopping)
     att.heartbeat(settings.lease_ttl_seconds)
     if r.exists(cancel_key(job_id)):
         outcome = Outcome(Status.CANCELLED)

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.worker import state
+
 from worker.celery_app import app, settings
 from worker.supervisor import supervise
 
 RUN_JOB = "worker.run_job"
 
 
+def _shutting_down() -> bool:
+    # Set by Celery's SIGTERM (warm) and SIGQUIT (cold) handlers to the exit code, 0 included; the solo pool
+    # runs this task in the worker process itself, so the supervisor sees it while the job runs.
+    return any(flag is not None and flag is not False for flag in (state.should_stop, state.should_terminate))
+
+
 @app.task(name=RUN_JOB)
 def run_job(job_id: str, attempt: int, job_dir: str, run: dict[str, Any]) -> str:
     """Run one attempt of a job; `run` is the RunSpec the control plane resolved."""
-    return supervise(job_id=job_id, attempt=attempt, job_dir=job_dir, run=run, settings=settings).value
+    return supervise(job_id=job_id, attempt=attempt, job_dir=job_dir, run=run, settings=settings,
+                     stopping=_shutting_down).value
