@@ -7,12 +7,13 @@ SpecError naming exactly the fields to fix.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
 
 from trainer.dsconfig import DANGEROUS_KEYS, SpecError, resolve
-from trainer.spec import JobSpec
+from trainer.spec import MAX_BATCH, JobSpec
 
 
 def _job(config: dict[str, Any] | None = None, *, num_gpus: int = 1, **sections: Any) -> JobSpec:
@@ -222,6 +223,40 @@ BAD_CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "unknown optimizer param": (
         {"config": {"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}},
         ["deepspeed.config.optimizer.params.momentum"]),
+    # -- wrong types anywhere in the raw config: named, never a crash --
+    "scheduler params as a list": (
+        {"config": {"scheduler": {"type": "WarmupLR", "params": [1000]}}},
+        ["deepspeed.config.scheduler.params"]),
+    "betas as strings": (
+        {"config": {"optimizer": {"type": "AdamW", "params": {"betas": ["0.9", "0.95"]}}}},
+        ["deepspeed.config.optimizer.params.betas"]),
+    "betas out of range": (
+        {"config": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}},
+        ["deepspeed.config.optimizer.params.betas"]),
+    "optimizer type not a string": (
+        {"config": {"optimizer": {"type": {"name": "AdamW"}}}},
+        ["deepspeed.config.optimizer.type"]),
+    "stage true": (
+        {"config": {"zero_optimization": {"stage": True}}},
+        ["deepspeed.config.zero_optimization.stage"]),
+    "tuning knobs of the wrong type": (
+        {"config": {"zero_optimization": {"overlap_comm": "yes", "reduce_bucket_size": 1.5}}},
+        ["deepspeed.config.zero_optimization.overlap_comm", "deepspeed.config.zero_optimization.reduce_bucket_size"]),
+    "offload flag as a string": (
+        {"config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": "true"}}}},
+        ["deepspeed.config.zero_optimization.offload_optimizer.pin_memory"]),
+    "loss scaling as a string": (
+        {"config": {"fp16": {"enabled": True, "initial_scale_power": "16"}}},
+        ["deepspeed.config.fp16.initial_scale_power"]),
+    "top-level knob of the wrong type": (
+        {"config": {"steps_per_print": [10]}},
+        ["deepspeed.config.steps_per_print"]),
+    "learning rate above the job's bound": (
+        {"config": {"optimizer": {"type": "AdamW", "params": {"lr": 5}}}},
+        ["deepspeed.config.optimizer.params.lr"]),
+    "warmup beyond the step bound": (
+        {"config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10**20}}}},
+        ["deepspeed.config.scheduler.params.warmup_num_steps"]),
     "several errors at once": (
         {"config": {"wandb": {}, "trian_batch_size": 8, "zero_optimization": {"stage": 5}}},
         ["deepspeed.config.wandb", "deepspeed.config.trian_batch_size", "deepspeed.config.zero_optimization.stage"]),
@@ -303,3 +338,41 @@ def test_no_scheduler_block_is_rendered() -> None:
     assert "scheduler" not in resolved.deepspeed_config
     assert resolved.spec.hyperparameters.lr_schedule == "cosine" and resolved.spec.hyperparameters.warmup_steps == 5
     assert any("total_num_steps" in note for note in resolved.notes)
+
+
+# -- hostile numbers: every validation step stays cheap and the answer stays right --
+
+
+def test_divisor_search_matches_brute_force() -> None:
+    from trainer.dsconfig import _divisors_desc
+
+    for n in [*range(1, 400), 720_720, 999_983, 1_000_000]:
+        assert _divisors_desc(n) == [d for d in range(n, 0, -1) if n % d == 0], n
+
+
+def test_largest_numbers_resolve_in_milliseconds_with_the_right_answer() -> None:
+    # A raw train_batch_size of 2e8 once cost seconds (a divisor search linear in the value).
+    start = time.perf_counter()
+    huge = _error_fields(_job({"train_batch_size": 200_000_000}))
+    prime = resolve(_job(hyperparameters={"global_batch_size": 999_983, "seq_len": 8}))
+    with pytest.raises(SpecError) as info:
+        resolve(_job(hyperparameters={"global_batch_size": MAX_BATCH, "micro_batch_size": 3}))
+    widest = resolve(_job(num_gpus=64, hyperparameters={"global_batch_size": 64 * 15_625, "seq_len": 8}))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.5, f"{elapsed:.3f} s"
+    assert huge == ["deepspeed.config.train_batch_size"]
+    # 999983 is prime: the only micro batch within the 16384-token budget that divides it is 1.
+    assert (prime.micro_batch_size, prime.gradient_accumulation_steps) == (1, 999_983)
+    message = info.value.errors[0].message
+    assert "3 does not divide the per-process batch 1000000" in message
+    assert "accepted: 1000000, 500000, 250000, 200000" in message
+    # 15625 rows per process = 5**6; the largest divisor within 16384 / 8 = 2048 tokens' worth is 625.
+    assert (widest.micro_batch_size, widest.gradient_accumulation_steps) == (625, 25)
+
+
+def test_raw_batch_fields_above_the_bound_are_refused_with_it() -> None:
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        with pytest.raises(SpecError) as info:
+            resolve(_job({key: MAX_BATCH + 1}))
+        err = info.value.errors[0]
+        assert err.field == f"deepspeed.config.{key}" and f"from 1 to {MAX_BATCH}" in err.message

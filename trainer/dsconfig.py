@@ -9,10 +9,14 @@ that writes files, opens connections or imports code is refused.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import Annotated, Any, Literal
 
-from trainer.spec import JobSpec, ResolvedJob
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from trainer.spec import MAX_BATCH, MAX_STEPS, JobSpec, ResolvedJob
 
 AUTO = "auto"
 
@@ -57,6 +61,92 @@ SCHEDULER_PARAMS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmu
                     "warmup_min_ratio", "cos_min_ratio", "last_batch_iteration"}
 ACTIVATION_CKPT_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                         "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one raw DeepSpeed field must hold: DeepSpeed reads these only at launch, so a wrong type found
+    here is a 422 naming the field instead of a failed job minutes later."""
+
+    type: Literal["bool", "int", "number", "size", "str"]
+    lo: float = 0
+    hi: float = 1e12
+    choices: tuple[str, ...] = ()
+
+    def problem(self, v: Any) -> str | None:
+        if self.type == "bool":
+            return None if isinstance(v, bool) else "must be true or false"
+        if self.type == "str":
+            if isinstance(v, str) and (not self.choices or v in self.choices):
+                return None
+            return "must be one of " + ", ".join(repr(c) for c in self.choices) if self.choices else "must be a string"
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        # DeepSpeed's own schema reads sizes as integers but accepts JSON's 5e8 for them.
+        whole = number and (isinstance(v, int) or (self.type == "size" and float(v).is_integer()))
+        if self.type == "number" and number and self.lo <= v <= self.hi:
+            return None
+        if self.type in ("int", "size") and whole and self.lo <= v <= self.hi:
+            return None
+        what = "a number" if self.type == "number" else "an integer"
+        return f"must be {what} from {_num(self.lo)} to {_num(self.hi)}"
+
+
+BOOL = Kind("bool")
+SIZE = Kind("size")
+DTYPE = Kind("str", choices=("fp16", "bf16", "fp32"))
+PASSTHROUGH_KINDS: dict[str, Kind] = {
+    "steps_per_print": Kind("int", 1), "wall_clock_breakdown": BOOL, "prescale_gradients": BOOL,
+    "gradient_predivide_factor": Kind("number", 0, 1e6), "zero_allow_untested_optimizer": BOOL,
+    "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
+}
+ZERO_KINDS: dict[str, Kind] = {
+    **{k: BOOL for k in ("overlap_comm", "reduce_scatter", "contiguous_gradients", "allgather_partitions",
+                         "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
+                         "gather_16bit_weights_on_model_save", "memory_efficient_linear", "load_from_fp32_weights",
+                         "elastic_checkpoint", "ignore_unused_parameters", "zero_quantized_weights",
+                         "zero_quantized_gradients", "use_multi_rank_bucket_allreduce")},
+    **{k: SIZE for k in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                         "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                         "stage3_param_persistence_threshold")},
+    "zero_hpz_partition_size": Kind("int", 1, 1024),
+}
+OFFLOAD_KINDS: dict[str, Kind] = {
+    "pin_memory": BOOL, "buffer_count": Kind("int", 1, 1024), "buffer_size": SIZE, "max_in_cpu": SIZE,
+    "fast_init": BOOL, "pipeline_read": BOOL, "pipeline_write": BOOL, "ratio": Kind("number", 0, 1),
+}
+FP16_KINDS: dict[str, Kind] = {
+    "auto_cast": BOOL, "loss_scale": Kind("number", 0, 2**32), "initial_scale_power": Kind("int", 0, 32),
+    "loss_scale_window": Kind("int", 1, 1e9), "hysteresis": Kind("int", 1, 1e6), "consecutive_hysteresis": BOOL,
+    "min_loss_scale": Kind("number", 0, 2**32),
+}
+ACTIVATION_CKPT_KINDS: dict[str, Kind] = {
+    "partition_activations": BOOL, "cpu_checkpointing": BOOL, "contiguous_memory_optimization": BOOL,
+    "number_checkpoints": Kind("int", 1, 1e6), "synchronize_checkpoint_boundary": BOOL, "profile": BOOL,
+}
+# Optimizer and scheduler fields the job does not take over: still checked, then left to the trainer's defaults.
+OPTIMIZER_KINDS: dict[str, Kind] = {"eps": Kind("number", 0, 1), "torch_adam": BOOL, "adam_w_mode": BOOL}
+SCHEDULER_KINDS: dict[str, Kind] = {
+    "warmup_min_lr": Kind("number", 0, 1), "warmup_type": Kind("str", choices=("log", "linear")),
+    "total_num_steps": Kind("int", 1, 1e12), "warmup_min_ratio": Kind("number", 0, 1),
+    "cos_min_ratio": Kind("number", 0, 1), "last_batch_iteration": Kind("int", -1, 1e12),
+}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _show(v: Any) -> str:
+    """A value for an error message: short, whatever the client sent."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@cache
+def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter[Any]:
+    """Checks a raw value against the job field it sets, with that field's own type and bounds."""
+    info = model.model_fields[name]
+    return TypeAdapter(Annotated[info.annotation, info])
 
 
 @dataclass
@@ -107,20 +197,53 @@ class _Merger:
     def err(self, field: str, message: str) -> None:
         self.errors.append(FieldError(f"deepspeed.config.{field}", message))
 
-    def adopt(self, section: Any, name: str, value: Any, raw_field: str, job_field: str) -> None:
-        """Take a raw value unless the job set the same thing explicitly to something else."""
+    def adopt(self, section: BaseModel, name: str, value: Any, raw_field: str, job_field: str) -> None:
+        """Take a raw value unless the job set the same thing explicitly to something else.
+
+        The value is held to the job field's own type and bounds first: assignment bypasses validation.
+        """
+        try:
+            value = _field_adapter(type(section), name).validate_python(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = "".join(f"[{p}]" for p in first["loc"])
+            self.err(raw_field, f"{first['msg']}{' at ' + where if where else ''} (it sets {job_field}), "
+                                f"got {_show(value)}")
+            return
         current = getattr(section, name)
         if _explicit(section, name) and current != value:
-            self.err(raw_field, f"is {value!r} but {job_field} is {current!r}; remove one or make them equal")
+            self.err(raw_field, f"is {_show(value)} but {job_field} is {current!r}; remove one or make them equal")
             return
         setattr(section, name, value)
+
+    def knob(self, field: str, value: Any, kind: Kind) -> bool:
+        """Whether a tuning value is kept: "auto" means DeepSpeed's default, a wrong one is an error."""
+        if _is_auto(value):
+            self.notes.append(f"{field}: auto resolved to DeepSpeed's default")
+            return False
+        problem = kind.problem(value)
+        if problem:
+            self.err(field, f"{problem}, got {_show(value)}")
+            return False
+        return True
+
+    def section(self, field: str, value: Any, accepted: set[str] | dict[str, Kind]) -> dict[str, Any] | None:
+        """A nested object, its unknown keys refused; None (and an error) when it is not an object."""
+        if not isinstance(value, dict):
+            self.err(field, f"must be an object, got {_show(value)}")
+            return None
+        for k in value:
+            if k not in accepted:
+                self.err(f"{field}.{k}", f"is not accepted; accepted: {', '.join(sorted(accepted))}")
+        return value
 
     def run(self) -> None:
         for key, value in self.raw.items():
             if key in DANGEROUS_KEYS:
                 self.err(key, f"is not accepted: it {DANGEROUS_KEYS[key]}")
             elif key in PASSTHROUGH_TOP:
-                self.passthrough[key] = value
+                if self.knob(key, value, PASSTHROUGH_KINDS[key]):
+                    self.passthrough[key] = value
             elif key in MERGED_TOP:
                 getattr(self, f"_merge_{key}")(value)
             else:
@@ -130,8 +253,8 @@ class _Merger:
     def _batch_field(self, key: str, value: Any) -> None:
         if _is_auto(value):
             return
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            self.err(key, f'must be a positive integer or "auto", got {value!r}')
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_BATCH:
+            self.err(key, f'must be an integer from 1 to {MAX_BATCH} or "auto", got {_show(value)}')
             return
         self.batch[key] = value
 
@@ -147,95 +270,89 @@ class _Merger:
     def _merge_gradient_clipping(self, v: Any) -> None:
         if _is_auto(v):
             return
-        if not isinstance(v, (int, float)) or v < 0:
-            self.err("gradient_clipping", f'must be a number >= 0 or "auto", got {v!r}')
-            return
-        self.adopt(self.spec.hyperparameters, "gradient_clipping", float(v), "gradient_clipping",
-                   "hyperparameters.gradient_clipping")
+        self._number("gradient_clipping", v, lambda x: self.adopt(
+            self.spec.hyperparameters, "gradient_clipping", x, "gradient_clipping",
+            "hyperparameters.gradient_clipping"))
 
     def _merge_optimizer(self, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err("optimizer", "must be an object with type and params")
+        v = self.section("optimizer", v, {"type", "params"})
+        if v is None:
             return
-        kind = str(v.get("type", "AdamW"))
-        if kind.lower() not in OPTIMIZER_TYPES:
-            self.err("optimizer.type", f"{kind!r} is not supported; accepted: Adam, AdamW")
-        for k in v:
-            if k not in ("type", "params"):
-                self.err(f"optimizer.{k}", "is not a known field; accepted: type, params")
-        params = v.get("params", {}) or {}
-        if not isinstance(params, dict):
-            self.err("optimizer.params", "must be an object")
+        kind = v.get("type", "AdamW")
+        if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_TYPES:
+            self.err("optimizer.type", f"{_show(kind)} is not supported; accepted: Adam, AdamW")
+        params = self.section("optimizer.params", v.get("params") or {}, OPTIMIZER_PARAMS)
+        if params is None:
             return
         hp = self.spec.hyperparameters
         for k, pv in params.items():
-            if k not in OPTIMIZER_PARAMS:
-                self.err(f"optimizer.params.{k}", f"is not accepted; accepted: {', '.join(sorted(OPTIMIZER_PARAMS))}")
-            elif _is_auto(pv) or k in ("torch_adam", "adam_w_mode", "eps"):
+            field = f"optimizer.params.{k}"
+            if k not in OPTIMIZER_PARAMS or _is_auto(pv):
                 continue
+            if k in OPTIMIZER_KINDS:
+                self.knob(field, pv, OPTIMIZER_KINDS[k])
             elif k == "lr":
-                self._number(f"optimizer.params.{k}", pv, lambda x: self.adopt(
+                self._number(field, pv, lambda x: self.adopt(
                     hp, "learning_rate", x, "optimizer.params.lr", "hyperparameters.learning_rate"))
             elif k == "weight_decay":
-                self._number(f"optimizer.params.{k}", pv, lambda x: self.adopt(
+                self._number(field, pv, lambda x: self.adopt(
                     hp, "weight_decay", x, "optimizer.params.weight_decay", "hyperparameters.weight_decay"))
             elif k == "betas":
-                if not (isinstance(pv, (list, tuple)) and len(pv) == 2):
-                    self.err("optimizer.params.betas", "must be a list of two numbers")
+                if not (isinstance(pv, list) and len(pv) == 2 and all(_finite_number(b) for b in pv)):
+                    self.err(field, f"must be a list of two numbers, got {_show(pv)}")
                 else:
-                    self.adopt(hp, "adam_betas", (float(pv[0]), float(pv[1])), "optimizer.params.betas",
-                               "hyperparameters.adam_betas")
+                    self.adopt(hp, "adam_betas", pv, field, "hyperparameters.adam_betas")
 
     def _number(self, field: str, v: Any, then: Any) -> None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.err(field, f'must be a number or "auto", got {v!r}')
+        if not _finite_number(v):
+            self.err(field, f'must be a number or "auto", got {_show(v)}')
         else:
             then(float(v))
 
     def _merge_scheduler(self, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err("scheduler", "must be an object with type and params")
+        v = self.section("scheduler", v, {"type", "params"})
+        if v is None:
             return
-        kind = str(v.get("type", ""))
-        schedule = SCHEDULER_TYPES.get(kind.lower())
+        kind = v.get("type", "")
+        schedule = SCHEDULER_TYPES.get(kind.lower()) if isinstance(kind, str) else None
         if schedule is None:
-            self.err("scheduler.type", f"{kind!r} is not supported; accepted: WarmupLR, WarmupDecayLR, WarmupCosineLR")
+            self.err("scheduler.type", f"{_show(kind)} is not supported; accepted: WarmupLR, WarmupDecayLR, "
+                                       "WarmupCosineLR")
             return
         hp = self.spec.hyperparameters
         self.adopt(hp, "lr_schedule", schedule, "scheduler.type", "hyperparameters.lr_schedule")
-        for k, pv in (v.get("params") or {}).items():
-            if k not in SCHEDULER_PARAMS:
-                self.err(f"scheduler.params.{k}", f"is not accepted; accepted: {', '.join(sorted(SCHEDULER_PARAMS))}")
-            elif _is_auto(pv):
+        params = self.section("scheduler.params", v.get("params") or {}, SCHEDULER_PARAMS)
+        if params is None:
+            return
+        for k, pv in params.items():
+            field = f"scheduler.params.{k}"
+            if k not in SCHEDULER_PARAMS or _is_auto(pv):
                 continue
-            elif k == "warmup_num_steps":
-                if not isinstance(pv, int) or pv < 0:
-                    self.err("scheduler.params.warmup_num_steps", "must be an integer >= 0")
+            if k == "warmup_num_steps":
+                if isinstance(pv, bool) or not isinstance(pv, int) or not 0 <= pv <= MAX_STEPS:
+                    self.err(field, f"must be an integer from 0 to {MAX_STEPS}, got {_show(pv)}")
                 else:
-                    self.adopt(hp, "warmup_steps", pv, "scheduler.params.warmup_num_steps",
-                               "hyperparameters.warmup_steps")
+                    self.adopt(hp, "warmup_steps", pv, field, "hyperparameters.warmup_steps")
             elif k == "warmup_max_lr":
-                self._number("scheduler.params.warmup_max_lr", pv, lambda x: self.adopt(
+                self._number(field, pv, lambda x: self.adopt(
                     hp, "learning_rate", x, "scheduler.params.warmup_max_lr", "hyperparameters.learning_rate"))
-            elif k == "total_num_steps":
+            elif self.knob(field, pv, SCHEDULER_KINDS[k]) and k == "total_num_steps":
                 self.notes.append("scheduler.params.total_num_steps ignored: the schedule spans the job's total steps")
         # The trainer owns the schedule (it must span the steps the data yields), so no block is rendered.
 
     def _merge_precision(self, key: str, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err(key, 'must be an object such as {"enabled": true}')
+        v = self.section(key, v, FP16_KEYS)
+        if v is None:
             return
-        for k in v:
-            if k not in FP16_KEYS:
-                self.err(f"{key}.{k}", f"is not accepted; accepted: {', '.join(sorted(FP16_KEYS))}")
+        kept = {k: x for k, x in v.items() if k in FP16_KINDS and self.knob(f"{key}.{k}", x, FP16_KINDS[k])}
         enabled = v.get("enabled", False)
         ds = self.spec.deepspeed
         if enabled is True:
             self.adopt(ds, "precision", key, f"{key}.enabled", "deepspeed.precision")
         elif not (enabled is False or _is_auto(enabled)):
-            self.err(f"{key}.enabled", f'must be true, false or "auto", got {enabled!r}')
+            self.err(f"{key}.enabled", f'must be true, false or "auto", got {_show(enabled)}')
         if key == "fp16":
-            self.fp16_extra = {k: x for k, x in v.items() if k != "enabled" and k in FP16_KEYS and not _is_auto(x)}
+            self.fp16_extra = kept
 
     def _merge_fp16(self, v: Any) -> None:
         self._merge_precision("fp16", v)
@@ -244,61 +361,60 @@ class _Merger:
         self._merge_precision("bf16", v)
 
     def _merge_activation_checkpointing(self, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err("activation_checkpointing", "must be an object")
+        v = self.section("activation_checkpointing", v, ACTIVATION_CKPT_KEYS)
+        if v is None:
             return
-        for k in v:
-            if k not in ACTIVATION_CKPT_KEYS:
-                self.err(f"activation_checkpointing.{k}",
-                         f"is not accepted; accepted: {', '.join(sorted(ACTIVATION_CKPT_KEYS))}")
+        for k, x in v.items():
+            if k in ACTIVATION_CKPT_KINDS and x is not None:
+                self.knob(f"activation_checkpointing.{k}", x, ACTIVATION_CKPT_KINDS[k])
         self.adopt(self.spec.deepspeed, "activation_checkpointing", True, "activation_checkpointing",
                    "deepspeed.activation_checkpointing")
 
     def _merge_zero_optimization(self, v: Any) -> None:
-        if not isinstance(v, dict):
-            self.err("zero_optimization", "must be an object")
+        v = self.section("zero_optimization", v, ZERO_TUNING | ZERO_MERGED)
+        if v is None:
             return
         ds = self.spec.deepspeed
         for k, zv in v.items():
             if k == "stage":
-                if zv not in (0, 1, 2, 3):
-                    self.err("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {zv!r}")
+                # bool is an int in Python (True == 1): refuse it explicitly.
+                if isinstance(zv, bool) or zv not in (0, 1, 2, 3):
+                    self.err("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {_show(zv)}")
                 else:
-                    self.adopt(ds, "zero_stage", zv, "zero_optimization.stage", "deepspeed.zero_stage")
+                    self.adopt(ds, "zero_stage", int(zv), "zero_optimization.stage", "deepspeed.zero_stage")
             elif k in ("offload_optimizer", "offload_param"):
                 self._merge_offload(k, zv)
-            elif k in ZERO_TUNING:
-                if _is_auto(zv):
-                    self.notes.append(f"zero_optimization.{k}: auto resolved to DeepSpeed's default")
-                else:
-                    self.zero_extra[k] = zv
-            else:
-                accepted = sorted(ZERO_TUNING | ZERO_MERGED)
-                self.err(f"zero_optimization.{k}", f"is not accepted; accepted: {', '.join(accepted)}")
+            elif k in ZERO_TUNING and self.knob(f"zero_optimization.{k}", zv, ZERO_KINDS[k]):
+                self.zero_extra[k] = zv
 
     def _merge_offload(self, key: str, v: Any) -> None:
         if v is None:
             return
         if not isinstance(v, dict):
-            self.err(f"zero_optimization.{key}", 'must be an object such as {"device": "cpu"}')
+            self.err(f"zero_optimization.{key}", f'must be an object such as {{"device": "cpu"}}, got {_show(v)}')
             return
         device = v.get("device", "none")
-        if device not in ("none", "cpu", "nvme"):
-            self.err(f"zero_optimization.{key}.device", f'must be "none", "cpu" or "nvme", got {device!r}')
+        if not isinstance(device, str) or device not in ("none", "cpu", "nvme"):
+            self.err(f"zero_optimization.{key}.device", f'must be "none", "cpu" or "nvme", got {_show(device)}')
             return
-        for k in v:
-            if k not in OFFLOAD_KEYS:
-                self.err(f"zero_optimization.{key}.{k}",
-                         f"is not accepted; accepted: {', '.join(sorted(OFFLOAD_KEYS))}")
+        self.section(f"zero_optimization.{key}", v, OFFLOAD_KEYS)
         if "nvme_path" in v:
             self.adopt(self.spec.deepspeed, "nvme_path", v["nvme_path"], f"zero_optimization.{key}.nvme_path",
                        "deepspeed.nvme_path")
         self.adopt(self.spec.deepspeed, key, device, f"zero_optimization.{key}.device", f"deepspeed.{key}")
-        self.offload_extra[key] = {k: x for k, x in v.items() if k in OFFLOAD_KEYS - {"device", "nvme_path"}}
+        self.offload_extra[key] = {k: x for k, x in v.items()
+                                   if k in OFFLOAD_KINDS and self.knob(f"zero_optimization.{key}.{k}", x,
+                                                                       OFFLOAD_KINDS[k])}
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _divisors_desc(n: int) -> list[int]:
-    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+    """Every divisor of n, largest first, in O(sqrt n): divisors come in pairs d, n // d."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 
 def _resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], limits: ResolveLimits,

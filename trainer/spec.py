@@ -6,20 +6,123 @@ trainer runs from. Unknown keys are refused everywhere (a typo must not silently
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+# Bounds on everything a request may hold. Each one keeps a value inside what Postgres, numpy/torch and
+# DeepSpeed accept, and keeps every validation step (the batch arithmetic included) at a few milliseconds.
+MAX_STEPS = 10_000_000
+MAX_BATCH = 1_000_000  # global batch, micro batch and the raw config's batch fields
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
+MAX_PATH_CHARS = 4096  # PATH_MAX
+METADATA_MAX_BYTES = 16 * 1024  # serialized as compact UTF-8 JSON
+METADATA_MAX_DEPTH = 8  # objects and arrays nested in each other, metadata itself being level 1
+METADATA_MAX_KEYS = 100  # per object
+METADATA_MAX_KEY_CHARS = 128
+RAW_CONFIG_MAX_BYTES = 32 * 1024  # real configs are a few KiB
+RAW_CONFIG_MAX_DEPTH = 8
+RAW_CONFIG_MAX_KEYS = 100  # per object
+
+
+def text_problem(value: str) -> str | None:
+    """Why Postgres could not store this string (text or JSONB), or None."""
+    if "\x00" in value:
+        return "contains a NUL character (\\u0000), which cannot be stored; remove it"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "contains a lone UTF-16 surrogate, which is not valid UTF-8; send well-formed Unicode"
+    return None
+
+
+def _storable(value: str) -> str:
+    problem = text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+# json.dumps writes NUL as \u0000; only an odd run of backslashes before "u0000" is that escape.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+# Every string of a job ends up in a Postgres text or JSONB column.
+Text = Annotated[str, AfterValidator(_storable)]
+
+
+def json_problem(value: Any, *, max_bytes: int, max_depth: int, max_keys: int,
+                 max_key_chars: int | None = None) -> str | None:
+    """Why `value` is not a small JSON document Postgres can store, or None.
+
+    Serializes first, in C: that bounds every later step by `max_bytes` and finds NaN, Infinity, lone
+    surrogates and NUL characters without a Python loop over every value. Only containers are walked
+    after that, iteratively, so no input can exhaust the stack or cost more than a few milliseconds.
+    """
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except RecursionError:
+        return f"nests objects and arrays more than {max_depth} levels deep"
+    except ValueError:
+        return "has a number that is not finite; NaN and Infinity are not JSON"
+    except TypeError as exc:
+        return f"is not JSON: {exc}"
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "has a string that contains a lone UTF-16 surrogate, which is not valid UTF-8"
+    if size > max_bytes:
+        return f"is {size} bytes of JSON; at most {max_bytes} are accepted"
+    if _NUL_ESCAPE.search(text):
+        return "has a key or string that contains a NUL character (\\u0000), which cannot be stored"
+    level: list[Any] = [value]  # one level of nesting at a time: no recursion, no per-node tuples
+    for _ in range(max_depth):
+        deeper: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                if len(node) > max_keys:
+                    return f"has an object with {len(node)} keys; at most {max_keys} are accepted"
+                if max_key_chars is not None and any(len(k) > max_key_chars for k in node):
+                    return f"has a key longer than {max_key_chars} characters"
+                node = node.values()
+            deeper += [c for c in node if isinstance(c, (dict, list))]
+        if not deeper:
+            return None
+        level = deeper
+    return f"nests objects and arrays more than {max_depth} levels deep"
+
+
+def _json_object_check(max_bytes: int, max_depth: int, max_keys: int, max_key_chars: int | None = None) -> Any:
+    def check(value: Any) -> Any:
+        # Only objects are walked; anything else is left to the type's own (clearer) error.
+        if isinstance(value, dict):
+            problem = json_problem(value, max_bytes=max_bytes, max_depth=max_depth, max_keys=max_keys,
+                                   max_key_chars=max_key_chars)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    return BeforeValidator(check)
+
+
+Metadata = Annotated[dict[str, Any], _json_object_check(METADATA_MAX_BYTES, METADATA_MAX_DEPTH, METADATA_MAX_KEYS,
+                                                         METADATA_MAX_KEY_CHARS)]
+RawConfig = Annotated[dict[str, Any], _json_object_check(RAW_CONFIG_MAX_BYTES, RAW_CONFIG_MAX_DEPTH,
+                                                          RAW_CONFIG_MAX_KEYS)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity are refused: Postgres JSONB cannot hold them and no training knob means them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
     """A model by hub id (`org/name`) or by a path under the configured model root."""
 
-    name_or_path: str = Field(min_length=1, max_length=500)
-    revision: str | None = Field(default=None, max_length=200)
+    name_or_path: Text = Field(min_length=1, max_length=500)
+    revision: Text | None = Field(default=None, min_length=1, max_length=200)
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = Field(
         default="pretrained", description="random: the model's config with freshly initialised weights")
@@ -27,35 +130,37 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    train: str = Field(min_length=1, description="Training file, a path under the data root")
-    validation: str | None = Field(default=None, description="Validation file, a path under the data root")
+    train: Text = Field(min_length=1, max_length=MAX_PATH_CHARS,
+                        description="Training file, a path under the data root")
+    validation: Text | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
+                                    description="Validation file, a path under the data root")
     validation_fraction: float = Field(default=0.0, ge=0.0, lt=0.5)
     format: Literal["text", "jsonl", "chat"] = "text"
-    text_field: str = Field(default="text", min_length=1, description="JSONL field holding the text")
+    text_field: Text = Field(default="text", min_length=1, max_length=200, description="JSONL field holding the text")
     packing: bool = True
 
 
 class Hyperparameters(_Strict):
-    max_steps: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     epochs: float = Field(default=1.0, gt=0, le=1000)
     learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    gradient_clipping: float = Field(default=1.0, ge=0.0)
-    global_batch_size: int = Field(default=32, ge=1, le=1_000_000)
-    micro_batch_size: int | Literal["auto"] = "auto"
+    adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.95), description="Each from 0 up to (not including) 1")
+    gradient_clipping: float = Field(default=1.0, ge=0.0, le=1_000_000.0, description="0 turns clipping off")
+    global_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
+    micro_batch_size: int | Literal["auto"] = Field(default="auto", description=f'1 to {MAX_BATCH}, or "auto"')
     seq_len: int = Field(default=2048, ge=8, le=131_072)
-    seed: int = Field(default=42, ge=0)
-    eval_every_steps: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=42, ge=0, le=MAX_SEED, description="0 to 2**32 - 1 (what numpy accepts)")
+    eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
 
     @field_validator("micro_batch_size")
     @classmethod
     def _positive_micro(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError('must be a positive integer or "auto"')
+        if isinstance(v, int) and not 1 <= v <= MAX_BATCH:
+            raise ValueError(f'must be an integer from 1 to {MAX_BATCH} or "auto"')
         return v
 
 
@@ -64,13 +169,16 @@ class DeepSpeedOptions(_Strict):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     offload_param: Literal["none", "cpu", "nvme"] = "none"
-    nvme_path: str | None = Field(default=None, description="Directory under the NVMe root for offload")
+    nvme_path: Text | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
+                                   description="Directory under the NVMe root for offload")
     activation_checkpointing: bool = False
     compile: Literal["auto", "on", "off"] = Field(
         default="auto", description="torch.compile each transformer block; auto: on CUDA without LoRA")
-    config: dict[str, Any] | None = Field(
-        default=None, description="A raw DeepSpeed config, checked field by field and merged"
-    )
+    config: RawConfig | None = Field(
+        default=None,
+        description=f"A raw DeepSpeed config, checked field by field and merged; at most {RAW_CONFIG_MAX_BYTES} "
+                    f"bytes of JSON, nested at most {RAW_CONFIG_MAX_DEPTH} levels, at most {RAW_CONFIG_MAX_KEYS} "
+                    "keys per object")
 
     @field_validator("offload_optimizer", "offload_param", mode="before")
     @classmethod
@@ -102,22 +210,36 @@ class Resources(_Strict):
 
 
 class Checkpointing(_Strict):
-    every_steps: int | None = Field(default=None, ge=1)
+    every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     keep_last: int = Field(default=2, ge=1, le=100)
 
 
 class LoraSpec(_Strict):
     rank: int = Field(default=8, ge=1, le=1024)
-    alpha: float = Field(default=16.0, gt=0)
+    alpha: float = Field(default=16.0, gt=0, le=65_536.0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default="all-linear", description="1 to 64 module names of 1 to 200 characters each, or all-linear")
     merge_on_export: bool = False
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, str):
+            return v
+        if not 1 <= len(v) <= 64:
+            raise ValueError(f'must list 1 to 64 module names (got {len(v)}), or be "all-linear"')
+        for name in v:
+            if not 1 <= len(name) <= 200:
+                raise ValueError("each module name must have 1 to 200 characters")
+            _storable(name)
+        return v
 
 
 class JobSpec(_Strict):
     """What a client sends in `POST /jobs` (and what `python -m trainer` runs from)."""
 
-    name: str = Field(default="", max_length=200)
+    name: Text = Field(default="", max_length=200)
     model: ModelSpec
     data: DataSpec
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
@@ -125,7 +247,11 @@ class JobSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     checkpointing: Checkpointing = Field(default_factory=Checkpointing)
     lora: LoraSpec | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Metadata = Field(
+        default_factory=dict,
+        description=f"Free-form JSON object kept with the job: at most {METADATA_MAX_BYTES} bytes of JSON, nested at "
+                    f"most {METADATA_MAX_DEPTH} levels, at most {METADATA_MAX_KEYS} keys per object, keys at most "
+                    f"{METADATA_MAX_KEY_CHARS} characters, no NUL characters")
 
     @field_validator("model", mode="before")
     @classmethod
