@@ -1,6 +1,9 @@
 """The control-plane loop: ingest events into Postgres, then reap lost workers, forever.
 
-Run one per deployment: `python -m api.controlplane`.
+Run one per deployment: `python -m api.controlplane`. It never exits on an outage: Redis or Postgres
+going away is logged and retried with a growing pause, and the next pass reconnects (both clients
+open new connections by themselves). Nothing is held only in memory: what was not stored stays
+pending in the Redis stream, so a restart, even after SIGKILL, continues where this one stopped.
 """
 
 from __future__ import annotations
@@ -10,18 +13,39 @@ import signal
 import time
 
 import redis
+from sqlalchemy.exc import DBAPIError
 
-from api.ingest import Ingester
-from api.reaper import Reaper
+from api.ingest import Ingester, transient
+from api.reaper import Reaper, RedisLossWatch
 from api.settings import get_settings
 
 log = logging.getLogger("controlplane")
+
+BACKOFF_FIRST_SECONDS = 0.5
+BACKOFF_MAX_SECONDS = 5.0  # short: once the outage ends, the backlog should move within seconds
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, redis.RedisError):
+        what = "Redis unavailable"
+    elif isinstance(exc, DBAPIError):
+        what = "Postgres unavailable"
+    else:
+        what = "connection failed"
+    # The first line is enough: a driver's message repeats the whole statement on the next lines.
+    return f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
-    client = redis.Redis.from_url(settings.redis_url)
+    # Blocking reads wait at most loop_interval; a timeout well above that means the connection is dead.
+    timeout = max(5.0, 4 * settings.loop_interval_seconds)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    watched = [client]
+    if settings.broker != settings.redis_url:  # the task messages live in the broker's Redis
+        watched.append(redis.Redis.from_url(settings.broker, socket_timeout=timeout, socket_connect_timeout=timeout))
+    watch = RedisLossWatch(watched)
     ingester = Ingester(client, batch=settings.ingest_batch)
     reaper = Reaper(client, settings)
     stopping = False
@@ -34,20 +58,33 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
     log.info("control plane running")
     next_reap = 0.0
+    pause = BACKOFF_FIRST_SECONDS
+    failing_since: float | None = None
     while not stopping:
         try:
+            if watch.check():
+                ingester.restart()
+                reaper.data_lost()
             # The ingester creates its consumer group on first read (and again if Redis lost it).
-            caught_up = ingester.step(block_ms=int(settings.loop_interval_seconds * 1000)) < settings.ingest_batch
+            ingester.step(block_ms=int(settings.loop_interval_seconds * 1000))
             # Reap only when the ingester is caught up: a terminal state still in the stream is not a lost worker.
-            if caught_up and time.monotonic() >= next_reap:
+            if ingester.caught_up and time.monotonic() >= next_reap:
                 reaper.step()
                 next_reap = time.monotonic() + settings.loop_interval_seconds
-        except (redis.RedisError, OSError) as exc:
-            log.warning("redis unavailable (%s); retrying", exc)
-            time.sleep(1)
-        except Exception:
-            log.exception("control-plane pass failed; retrying")
-            time.sleep(1)
+        except Exception as exc:
+            if transient(exc):
+                log.warning("%s; retrying in %.1f s", describe(exc), pause)
+            else:
+                log.exception("control-plane pass failed; retrying in %.1f s", pause)
+            failing_since = failing_since if failing_since is not None else time.monotonic()
+            end = time.monotonic() + pause
+            while not stopping and time.monotonic() < end:
+                time.sleep(0.1)
+            pause = min(pause * 2, BACKOFF_MAX_SECONDS)
+            continue
+        if failing_since is not None:
+            log.info("control plane recovered after %.1f s of failures", time.monotonic() - failing_since)
+            failing_since, pause = None, BACKOFF_FIRST_SECONDS
     log.info("control plane stopped")
 
 

@@ -1,21 +1,24 @@
 """Finds attempts whose worker stopped heartbeating and requeues them as the next attempt.
 
 Also re-asserts the control keys every pass (current attempt, cancel requests), so a Redis that
-restarted without its data cannot make workers lose track of their jobs, and re-sends jobs whose
-enqueue failed after their row was committed.
+restarted without its data cannot make workers lose track of their jobs, re-sends jobs whose
+enqueue failed after their row was committed, and re-drives the queued jobs whose task messages
+a Redis lost with its data (RedisLossWatch tells when).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.orm import Session
 
 from api.db import session_scope
-from api.models import ACTIVE, Job
+from api.models import ACTIVE, Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now, send
 from api.settings import ApiSettings
@@ -23,15 +26,70 @@ from worker.keys import attempt_key, cancel_key, lease_key
 
 log = logging.getLogger(__name__)
 
+# Written by the control plane with a random value and never deleted: if it is gone or changed, the
+# Redis lost its data (a restart without persistence, a flush, a failover to an empty replica).
+DATASET_KEY = "ft:controlplane:dataset"
+# How long after a loss queued jobs are still looked at: an API that had sent a task just before the
+# loss may commit its dispatched_at only a little later.
+REDRIVE_WINDOW_SECONDS = 60.0
+# Clocks of the API's and the control plane's hosts may differ by this much.
+CLOCK_SLACK = timedelta(seconds=5)
+
+
+class RedisLossWatch:
+    """Tells when a Redis lost its data set, from a marker key that only a data loss removes."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+        self.tokens: list[bytes | None] = [None] * len(clients)
+        # Set before the marker is written again: a check that fails halfway still reports the loss next time.
+        self.unreported = False
+
+    def check(self) -> bool:
+        """True when some Redis lost its data since the last check (and on a first start without a marker:
+        then it is new, or lost its data while no control plane ran, and nothing tells which)."""
+        for i, client in enumerate(self.clients):
+            value = client.get(DATASET_KEY)
+            if value is None or (self.tokens[i] is not None and value != self.tokens[i]):
+                self.unreported = True
+                client.set(DATASET_KEY, secrets.token_hex(16), nx=True)
+                value = client.get(DATASET_KEY)
+            self.tokens[i] = value
+        lost, self.unreported = self.unreported, False
+        return lost
+
 
 class Reaper:
     def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
         self.r = client
         self.settings = settings
         self.missing_since: dict[tuple[str, int], float] = {}
+        self.last_pass: float | None = None
+        # No lease counts as missing before this (monotonic): the leases were lost with Redis's data.
+        self.quiet_until = 0.0
+        # The latest Redis data loss (wall clock) while queued jobs may still need re-driving.
+        self.lost_at: datetime | None = None
+        self.redrive_deadline: float | None = None
+        self.redriven: set[str] = set()
+
+    def data_lost(self) -> None:
+        """Redis restarted empty: every queued task message, lease and claim key is gone."""
+        log.warning("Redis lost its data: re-driving queued jobs; running ones keep their worker if it "
+                    "re-creates its lease within %.0f s", self.settings.lease_ttl_seconds)
+        self.lost_at = now()
+        self.redrive_deadline = None
+        self.redriven = set()
+        self.missing_since.clear()
+        self.quiet_until = time.monotonic() + self.settings.lease_ttl_seconds
 
     def step(self) -> list[str]:
-        """One pass; returns the ids of jobs it requeued or ended."""
+        """One pass; returns the ids of jobs it requeued, ended or re-drove."""
+        clock = time.monotonic()
+        if self.last_pass is not None and clock - self.last_pass > max(self.settings.lease_grace_seconds,
+                                                                      self.settings.lease_ttl_seconds):
+            # Nobody watched the leases for a while (an outage): what was seen missing before says nothing now.
+            self.missing_since.clear()
+        acted = self._redrive()
         with session_scope() as session:
             jobs = list(session.scalars(select(Job).where(Job.status.in_((*ACTIVE, "queued")))))
             pipe = self.r.pipeline(transaction=False)
@@ -43,13 +101,12 @@ class Reaper:
             for job in active:
                 pipe.exists(lease_key(job.id, job.attempt))
             replies = pipe.execute()[-len(active):] if active else []
-        acted = []
         clock = time.monotonic()
         live = set()
         for job, alive in zip(active, replies, strict=True):
             key = (job.id, job.attempt)
             live.add(key)
-            if alive:
+            if alive or clock < self.quiet_until:
                 self.missing_since.pop(key, None)
                 continue
             first = self.missing_since.setdefault(key, clock)
@@ -59,6 +116,7 @@ class Reaper:
                 self.missing_since.pop(key, None)
         self.missing_since = {k: v for k, v in self.missing_since.items() if k in live}
         self._resend_undispatched()
+        self.last_pass = time.monotonic()
         return acted
 
     def _lost(self, job_id: str, attempt: int) -> bool:
@@ -70,11 +128,13 @@ class Reaper:
                 job.status, job.finished_at = "cancelled", now()
                 events.append(session, job, "state", {"status": "cancelled", "reason": "worker lost while cancelling"})
                 return True
-            if attempt >= self.settings.max_attempts:
+            # Workers lost, not attempt numbers: a re-drive after a Redis data loss also takes a new attempt.
+            losses = 1 + _losses(session, job_id)
+            if losses >= self.settings.max_attempts:
                 job.status, job.finished_at = "failed", now()
                 job.error = {"code": "worker_lost",
-                             "message": f"the worker stopped heartbeating on attempt {attempt} of "
-                                        f"{self.settings.max_attempts}"}
+                             "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
+                                        f"{self.settings.max_attempts} allowed attempts lost their worker"}
                 events.append(session, job, "state", {"status": "failed", "error": job.error})
                 return True
             events.append(session, job, "state", {"status": "lost", "reason": "worker stopped heartbeating"})
@@ -88,6 +148,47 @@ class Reaper:
             send(session=session, client=self.r, job=job)
             return True
 
+    def _redrive(self) -> list[str]:
+        """Re-send the queued jobs whose task messages were in the Redis that lost its data.
+
+        Each goes out as its next attempt, not again as the same one: a worker may have claimed the
+        attempt just before the loss, and its claim key went with the data, so a second message for
+        that attempt could start it twice. The new attempt number fences such a worker instead: it
+        finds the attempt key moved on and stops, and its events are dropped as superseded.
+        """
+        if self.lost_at is None:
+            return []
+        if self.redrive_deadline is not None and time.monotonic() > self.redrive_deadline:
+            self.lost_at = None
+            return []
+        cutoff = self.lost_at + CLOCK_SLACK
+        with session_scope() as session:
+            query = select(Job).where(
+                Job.status == "queued",
+                # Sent before the loss was noticed (so perhaps into the lost data), or never sent and
+                # left alone by the API long enough that it no longer sends it.
+                or_(Job.dispatched_at <= cutoff,
+                    and_(Job.dispatched_at.is_(None), Job.updated_at < now() - timedelta(seconds=5))))
+            if self.redriven:
+                query = query.where(Job.id.not_in(self.redriven))
+            jobs = list(session.scalars(query.order_by(Job.seq).with_for_update(skip_locked=True)))
+            for job in jobs:
+                previous = job.attempt
+                job.attempt = previous + 1
+                job.dispatched_at = None
+                events.append(session, job, "state", {
+                    "status": "queued", "previous_attempt": previous,
+                    "reason": "sent again: Redis lost its data, and the job's task message with it"})
+            session.commit()
+            self.redriven.update(job.id for job in jobs)
+            for job in jobs:
+                log.warning("job %s re-sent as attempt %d after Redis lost its data", job.id, job.attempt)
+                # A failed send leaves dispatched_at empty: _resend_undispatched retries it.
+                send(session=session, client=self.r, job=job)
+        if self.redrive_deadline is None:
+            self.redrive_deadline = time.monotonic() + REDRIVE_WINDOW_SECONDS
+        return [job.id for job in jobs]
+
     def _resend_undispatched(self) -> None:
         cutoff = now() - timedelta(seconds=5)
         with session_scope() as session:
@@ -95,3 +196,8 @@ class Reaper:
                                                            Job.updated_at < cutoff).with_for_update(skip_locked=True)))
             for job in stuck:
                 send(session=session, client=self.r, job=job)
+
+
+def _losses(session: Session, job_id: str) -> int:
+    return int(session.scalar(select(func.count()).select_from(JobEvent).where(
+        JobEvent.job_id == job_id, JobEvent.type == "state", JobEvent.data["status"].astext == "lost")) or 0)

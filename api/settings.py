@@ -28,6 +28,9 @@ class ApiSettings(BaseSettings):
     auto_micro_batch_tokens: int = 16384
     # A worker whose lease has been missing this long is gone; its job is requeued.
     lease_grace_seconds: float = 3.0
+    # The workers' lease TTL (FT_LEASE_TTL_SECONDS, shared with them): after Redis lost its data, a
+    # live worker re-creates its lease within one TTL, so no missing lease counts before then.
+    lease_ttl_seconds: float = 10.0
     max_attempts: int = 3
     ingest_batch: int = 500
     loop_interval_seconds: float = 0.5

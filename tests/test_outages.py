@@ -1,0 +1,319 @@
+"""Nothing is lost when Postgres or Redis go away or the control plane is killed: real servers, really stopped.
+
+One private stack (its own Postgres cluster and its own Redis, which keeps nothing on disk; API, control
+plane and one Celery worker running the real launcher) serves every test here, so stopping a server
+disturbs nobody else. Each test compares what Postgres stored with the rank-0 trainer log on disk: every
+line exactly once, in order, with gap-free ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from api.ingest import _clean, apply_event
+from api.models import Job
+from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
+from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
+from tests.outage_support import (
+    PrivatePostgres,
+    PrivateRedis,
+    compare_with_rank0,
+    states,
+    stored_events,
+    trainer_event_count,
+)
+from worker.keys import EVENTS_STREAM, INGEST_GROUP
+
+ENDED = {"succeeded", "failed", "cancelled"}
+POSTGRES_OUTAGE_SECONDS = 6.0
+STEPS_A = 200
+
+
+def figure(name: str, **values: Any) -> None:
+    """The numbers a reader of the test output wants (run with -s to see them)."""
+    print(f"\nFIGURES {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()), flush=True)
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PrivatePostgres]:
+    server = PrivatePostgres()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture(scope="module")
+def private_redis(roots: dict[str, Path]) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(roots["logs"])
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def outage_stack(pg: PrivatePostgres, private_redis: PrivateRedis, roots: dict[str, Path]) -> Iterator[Stack]:
+    env = {
+        "FT_DATABASE_URL": pg.url, "FT_REDIS_URL": private_redis.url, "FT_PORT": str(free_port()),
+        "FT_ARTIFACTS_ROOT": str(roots["artifacts"]), "FT_MODEL_ROOT": str(roots["models"]),
+        "FT_DATA_ROOT": str(roots["data"]), "FT_NVME_ROOT": str(roots["artifacts"] / "nvme"),
+        # A lease of 6 s, renewed every second: a Redis restart of a second or two is survived by a live
+        # worker, and a dead one is still noticed within seconds.
+        "FT_HEARTBEAT_SECONDS": "1", "FT_LEASE_TTL_SECONDS": "6", "FT_LEASE_GRACE_SECONDS": "2",
+        "FT_LOOP_INTERVAL_SECONDS": "0.2", "FT_ENV": "development",
+    }
+    database_exists_or_create(pg.url)
+    migrate({**os.environ, **env})
+    stack = Stack(env, roots["logs"] / "outages")
+    stack.start_api()
+    stack.start_controlplane()
+    stack.start_worker("worker1")
+    try:
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def oapi(outage_stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=outage_stack.api_url, timeout=30) as client:
+        yield client
+
+
+def submit(api: httpx.Client, spec: dict[str, Any]) -> dict[str, Any]:
+    r = api.post("/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def job_dir(roots: dict[str, Path], job_id: str) -> Path:
+    return roots["artifacts"].resolve() / "jobs" / job_id
+
+
+def wait_progress(directory: Path, attempt: int, timeout: float = 240) -> None:
+    """Read from the rank-0 log on disk, not the API: the test is about to take the API's database away."""
+    logs = directory / "attempts" / str(attempt) / "logs"
+
+    def progressing() -> bool:
+        return any('"event": "progress"' in f.read_text(errors="replace") for f in logs.glob("*_rank0.log"))
+
+    wait_for(progressing, timeout, f"the first progress line of attempt {attempt} in {logs}")
+
+
+def assert_alive(stack: Stack, *names: str) -> None:
+    for name in names:
+        proc = stack.procs[name]
+        assert proc.poll() is None, f"{name} exited with {proc.returncode}; see {stack.log_dir / (name + '.log')}"
+
+
+def log_of(stack: Stack, name: str) -> str:
+    return (stack.log_dir / f"{name}.log").read_text(errors="replace")
+
+
+def no_orphans(job_id: str) -> None:
+    wait_for(lambda: not job_processes(job_id), 15, f"no process of job {job_id} left")
+
+
+def test_a_postgres_restart_mid_job_loses_no_event(oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres,
+                                                   roots: dict[str, Path], make_job: Callable[..., Any]) -> None:
+    began = time.monotonic()
+    # Long enough (about 0.07 s a step here) that training goes on before, during and after the outage.
+    job = submit(oapi, make_job(name="pg-outage", hyperparameters={"max_steps": STEPS_A},
+                                checkpointing={"every_steps": 40, "keep_last": 2}))
+    directory = job_dir(roots, job["id"])
+    wait_progress(directory, 1)
+    before = trainer_event_count(directory, 1)
+    pg.stop()
+    down = time.monotonic()
+    time.sleep(POSTGRES_OUTAGE_SECONDS)
+    during = trainer_event_count(directory, 1) - before
+    pg.start()
+    outage = time.monotonic() - down
+    assert during > 0, "the trainer should have written events while Postgres was down"
+
+    final = wait_status(oapi, job["id"], ENDED, timeout=300)
+    assert final["status"] == "succeeded", final["error"]
+    assert final["progress"]["step"] == STEPS_A
+    counts = compare_with_rank0(pg.dsn, job["id"], directory, 1)
+    after = counts["trainer"] - before - during
+    assert after > 0, "training should have gone on after the outage (a slower machine needs more steps)"
+    assert states(pg.dsn, job["id"]) == [(1, "queued"), (1, "starting"), (1, "running"), (1, "succeeded")]
+    evs = events_of(oapi, job["id"])
+    assert [e["id"] for e in evs] == list(range(1, len(evs) + 1))
+    assert [c["step"] for c in final["checkpoints"] if c["committed"]] == [STEPS_A - 40, STEPS_A]
+    no_orphans(job["id"])
+    assert_alive(outage_stack, "controlplane", "api", "worker1")
+    cp_log = log_of(outage_stack, "controlplane")
+    assert "Postgres unavailable" in cp_log and "recovered" in cp_log, cp_log[-3000:]
+    figure("postgres_restart", outage_s=round(outage, 1), trainer_events_before_during_after=(before, during, after),
+           rank0_lines_compared=counts["rank0"], trainer_events_compared=counts["trainer"],
+           events_stored=counts["stored"], wall_s=round(time.monotonic() - began, 1))
+
+
+def test_b_redis_restarted_empty_redrives_the_queued_job_and_the_running_one_continues(
+        oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres, private_redis: PrivateRedis,
+        roots: dict[str, Path], make_job: Callable[..., Any]) -> None:
+    began = time.monotonic()
+    running = submit(oapi, make_job(name="redis-loss-running", hyperparameters={"max_steps": 40}))
+    wait_progress(job_dir(roots, running["id"]), 1)
+    # The only worker is busy: this one waits in the broker, in the Redis about to lose everything.
+    waiting = submit(oapi, make_job(name="redis-loss-queued"))
+    r = private_redis.client()
+    wait_for(lambda: r.llen("default") == 1, 10, "the queued job's task message in the broker")
+    assert oapi.get(f"/jobs/{waiting['id']}").json()["status"] == "queued"
+
+    # Events still in the stream when Redis dies are gone with it: the service does not promise those.
+    # Hold the worker for the moment it takes the control plane to store everything already published,
+    # so that every event this test compares is one the service does promise: those the worker had
+    # not published yet when Redis went away (it keeps them and publishes them once Redis is back).
+    worker = outage_stack.procs["worker1"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: r.xlen(EVENTS_STREAM) == 0 and r.xpending(EVENTS_STREAM, INGEST_GROUP)["pending"] == 0,
+                 10, "the control plane to have stored every published event", interval=0.05)
+        private_redis.kill()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    killed = time.monotonic()
+    time.sleep(1.5)  # the worker's publishes and heartbeats fail meanwhile; it must keep what it could not send
+    private_redis.start()
+    down = time.monotonic() - killed
+
+    first = wait_status(oapi, running["id"], ENDED, timeout=300)
+    second = wait_status(oapi, waiting["id"], ENDED, timeout=300)
+    assert first["status"] == "succeeded" and first["attempt"] == 1, (first["status"], first["error"])
+    assert second["status"] == "succeeded", second["error"]
+    # Its task message was lost, so it was sent again, as a new attempt: the attempt key fences any worker
+    # that might have claimed the old one just before the loss (its claim key was lost too).
+    assert second["attempt"] == 2
+    assert states(pg.dsn, waiting["id"]) == [(1, "queued"), (2, "queued"), (2, "starting"), (2, "running"),
+                                              (2, "succeeded")]
+    assert states(pg.dsn, running["id"]) == [(1, "queued"), (1, "starting"), (1, "running"), (1, "succeeded")]
+    counts_running = compare_with_rank0(pg.dsn, running["id"], job_dir(roots, running["id"]), 1)
+    counts_waiting = compare_with_rank0(pg.dsn, waiting["id"], job_dir(roots, waiting["id"]), 2)
+    assert not (job_dir(roots, waiting["id"]) / "attempts" / "1").exists(), "attempt 1 never ran"
+
+    # Nothing stayed queued behind an idle worker: the worker took the re-sent job once it was free.
+    started_second = next(e for e in events_of(oapi, waiting["id"], ["state"]) if e.get("status") == "starting")
+    idle = _ts(started_second["created_at"]) - _ts(first["finished_at"])
+    assert idle < 30, f"the worker was idle {idle:.1f} s with a job queued"
+    for job_id in (running["id"], waiting["id"]):
+        no_orphans(job_id)
+    assert_alive(outage_stack, "controlplane", "api", "worker1")
+    assert "Redis lost its data" in log_of(outage_stack, "controlplane")
+    figure("redis_restart_empty", redis_down_s=round(down, 1), idle_worker_s=round(idle, 1),
+           running_rank0_lines=counts_running["rank0"], running_trainer_events=counts_running["trainer"],
+           queued_rank0_lines=counts_waiting["rank0"], queued_trainer_events=counts_waiting["trainer"],
+           wall_s=round(time.monotonic() - began, 1))
+
+
+def _ts(value: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def test_c_a_sigkilled_control_plane_continues_from_its_pending_entries(
+        oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres, roots: dict[str, Path],
+        make_job: Callable[..., Any]) -> None:
+    began = time.monotonic()
+    job = submit(oapi, make_job(name="cp-kill", hyperparameters={"max_steps": 32}))
+    directory = job_dir(roots, job["id"])
+    wait_progress(directory, 1)
+    outage_stack.stop("controlplane", sig=signal.SIGKILL)
+    killed = time.monotonic()
+    # The worst moment to die, made certain: a batch committed to Postgres and never acknowledged.
+    crash = subprocess.run([sys.executable, "-m", "tests.outage_support", "commit-without-ack"], cwd=ROOT,
+                           env={**outage_stack.env}, capture_output=True, text=True, timeout=120)
+    assert crash.returncode == 0, crash.stdout + crash.stderr
+    committed = json.loads(crash.stdout.strip().splitlines()[-1])["committed"]
+    assert committed > 0
+    time.sleep(2)  # the trainer goes on writing; the stream holds it until a control plane is back
+    outage_stack.start_controlplane()
+    gap = time.monotonic() - killed
+
+    final = wait_status(oapi, job["id"], ENDED, timeout=300)
+    assert final["status"] == "succeeded", final["error"]
+    counts = compare_with_rank0(pg.dsn, job["id"], directory, 1)
+    assert states(pg.dsn, job["id"]) == [(1, "queued"), (1, "starting"), (1, "running"), (1, "succeeded")]
+    no_orphans(job["id"])
+    assert_alive(outage_stack, "controlplane", "api", "worker1")
+    figure("controlplane_sigkill", without_control_plane_s=round(gap, 1), committed_without_ack=committed,
+           rank0_lines_compared=counts["rank0"], trainer_events_compared=counts["trainer"],
+           wall_s=round(time.monotonic() - began, 1))
+
+
+def test_d_an_event_postgres_refuses_does_not_stall_ingestion(oapi: httpx.Client, outage_stack: Stack,
+                                                              pg: PrivatePostgres, private_redis: PrivateRedis,
+                                                              make_job: Callable[..., Any]) -> None:
+    # A queue no worker serves: the job stays queued and only the events below are its story.
+    job = submit(oapi, make_job(name="odd-events", resources={"queue": "nobody-serves-this"}))
+    client = private_redis.client()
+
+    def entry(job_id: str, kind: str, data: dict[str, Any]) -> dict[str, str]:
+        # As the worker's publisher writes them (json.dumps lets NaN through, as it does there).
+        return {"job_id": job_id, "attempt": "1", "type": kind, "ts": repr(time.time()), "data": json.dumps(data)}
+
+    # One transaction, so the ingester reads all four as one batch: the bad one must not sink the others.
+    pipe = client.pipeline(transaction=True)
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "log", {"rank": 0, "line": "before"}))
+    pipe.xadd(EVENTS_STREAM, entry("job_\x00bad", "log", {"rank": 0, "line": "x"}))
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "log", {"rank": 0, "line": "a NUL \x00 in a line"}))
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "progress", {"rank": 0, "step": 1, "loss": math.nan}))
+    pipe.execute()
+    wait_for(lambda: len(stored_events(pg.dsn, job["id"])) >= 4, 30, "the job's three events stored")
+    got = [(e["type"], e["data"]) for e in stored_events(pg.dsn, job["id"])]
+    assert got == [("state", {"status": "queued"}), ("log", {"rank": 0, "line": "before"}),
+                   ("log", {"rank": 0, "line": "a NUL \ufffd in a line"}),
+                   ("progress", {"rank": 0, "step": 1, "loss": "nan"})]
+    with psycopg.connect(pg.dsn) as conn:
+        progress = conn.execute("SELECT progress FROM jobs WHERE id = %s", (job["id"],)).fetchone()[0]
+    assert progress["loss"] == "nan"
+    wait_for(lambda: client.xlen(EVENTS_STREAM) == 0, 10, "the stream drained: nothing left stuck in it")
+    assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+    assert "is dropped" in log_of(outage_stack, "controlplane"), "the event Postgres refuses is named in the log"
+    assert_alive(outage_stack, "controlplane")
+
+
+def test_an_ended_job_keeps_its_final_state_and_row() -> None:
+    job = Job(id="job_x", status="succeeded", attempt=1, progress={"step": 5}, checkpoints=[], event_seq=3,
+              output={"path": "/out"}, resolved={})
+    apply_event(job, "state", {"status": "failed", "error": {"code": "worker_lost"}})
+    apply_event(job, "state", {"status": "running"})
+    assert job.status == "succeeded" and job.error is None and job.output == {"path": "/out"}
+
+
+def test_values_postgres_refuses_are_made_storable() -> None:
+    assert _clean({"a\x00": ["x\x00y", math.inf, -math.inf, math.nan, 1.5, "\ud800"]}) == {
+        "a\ufffd": ["x\ufffdy", "inf", "-inf", "nan", 1.5, "?"]}
+
+
+def test_redis_loss_is_told_by_the_marker(private_redis: PrivateRedis) -> None:
+    from api.reaper import DATASET_KEY, RedisLossWatch
+
+    client = redis.Redis.from_url(private_redis.url.rsplit("/", 1)[0] + "/5")
+    client.flushdb()
+    watch = RedisLossWatch([client])
+    assert watch.check() is True, "no marker at the first start: new, or lost while nobody watched"
+    assert watch.check() is False
+    client.delete(DATASET_KEY)
+    assert watch.check() is True
+    client.set(DATASET_KEY, "someone else's")
+    assert watch.check() is True and watch.check() is False
+    client.flushdb()
