@@ -15,7 +15,7 @@ import time
 import redis
 from sqlalchemy.exc import DBAPIError
 
-from api.ingest import Ingester, transient
+from api.ingest import Ingester, first_line, transient
 from api.reaper import Reaper, RedisLossWatch
 from api.settings import get_settings
 
@@ -27,13 +27,10 @@ BACKOFF_MAX_SECONDS = 5.0  # short: once the outage ends, the backlog should mov
 
 def describe(exc: BaseException) -> str:
     if isinstance(exc, redis.RedisError):
-        what = "Redis unavailable"
-    elif isinstance(exc, DBAPIError):
-        what = "Postgres unavailable"
-    else:
-        what = "connection failed"
-    # The first line is enough: a driver's message repeats the whole statement on the next lines.
-    return f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return f"Redis unavailable: {first_line(exc)}"
+    if isinstance(exc, DBAPIError):
+        return f"Postgres unavailable: {first_line(exc)}"
+    return f"connection failed: {first_line(exc)}"
 
 
 def main() -> None:

@@ -119,6 +119,12 @@ def _data(fields: dict[str, str]) -> dict[str, Any]:
     return _clean(data)
 
 
+def first_line(exc: BaseException) -> str:
+    """The error without the statement and parameters a driver's message repeats on its next lines."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def transient(exc: BaseException) -> bool:
     """An error of the connection (Postgres or Redis away), not of the data: retrying the same batch helps."""
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OperationalError, InterfaceError, OSError)):
@@ -200,7 +206,7 @@ class Ingester:
             if transient(exc):
                 raise
             log.warning("a batch of %d events could not be stored (%s); storing them one by one",
-                        len(entries), exc)
+                        len(entries), first_line(exc))
         # Something in the batch itself fails: find it, so the others are stored and it cannot stall ingestion.
         for eid, fields in entries:
             try:
@@ -210,7 +216,7 @@ class Ingester:
             except Exception as exc:
                 if transient(exc):
                     raise
-                error = f"{type(exc).__name__}: {exc}"[:500]
+                error = first_line(exc)[:500]
             log.error("event %s of job %s cannot be stored as it came (%s); storing what can be kept of it",
                       eid, fields.get("job_id"), error)
             kept = {**fields, "type": "unreadable",
@@ -223,7 +229,7 @@ class Ingester:
                 if transient(exc):
                     raise
                 # Not even the text can be stored (the job row itself is refused): keep ingesting the others.
-                log.exception("event %s is dropped: %s", eid, kept["data"][:2000])
+                log.error("event %s is dropped (%s): %s", eid, first_line(exc), kept["data"][:2000])
 
 
 def store(session: Session, entries: list[tuple[str, dict[str, str]]]) -> None:
