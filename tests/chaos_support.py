@@ -22,17 +22,17 @@ class AttemptSampler(threading.Thread):
     def __init__(self, job_id: str) -> None:
         super().__init__(daemon=True)
         self.job_id = job_id
-        self.overlaps: list[set[int]] = []
+        self.overlaps: list[tuple[set[int], list[str]]] = []
         self.seen: set[int] = set()
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.is_set():
-            running = {int(m.group(1)) for line in job_processes(self.job_id)
-                       for m in [ATTEMPT_IN_CMDLINE.search(line)] if m}
+            lines = job_processes(self.job_id)
+            running = {int(m.group(1)) for line in lines for m in [ATTEMPT_IN_CMDLINE.search(line)] if m}
             self.seen |= running
             if len(running) > 1:
-                self.overlaps.append(running)
+                self.overlaps.append((running, lines))
             time.sleep(0.05)
 
     def stop(self) -> None:

@@ -203,3 +203,22 @@ def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committ
     assert not staging.exists(), "the next attempt removed the half-written save"
     assert_next_attempt_owns_the_results(job_dir, a1, last_committed)
     assert not job_processes(job["id"])
+
+
+def test_a_job_whose_workers_keep_vanishing_fails_as_worker_lost(api: httpx.Client, make_job: Any,
+                                                                 stack_env: dict[str, str]) -> None:
+    import psycopg
+
+    job = api.post("/jobs", json=make_job(name="vanishing", resources={"queue": queue("nobody")})).json()
+    url = stack_env["FT_DATABASE_URL"].replace("+psycopg", "")
+    for lost in range(1, 4):  # FT_MAX_ATTEMPTS is 3
+        # As if a worker had started the current attempt and vanished with its lease.
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE jobs SET status = 'running' WHERE id = %s AND status = 'queued'", (job["id"],))
+        expect = {"failed"} if lost == 3 else {"queued"}
+        final = wait_status(api, job["id"], expect | {"succeeded", "cancelled"}, timeout=30)
+        assert final["status"] in expect, final
+    assert final["error"]["code"] == "worker_lost", final["error"]
+    assert "3 of 3 allowed attempts lost their worker" in final["error"]["message"]
+    states = [e["status"] for e in events_of(api, job["id"], ["state"])]
+    assert states.count("lost") == 2 and states[-1] == "failed", states

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from scripts.client import sse_events
+from tests.chaos_support import AttemptSampler, assert_history_exact
 from tests.helpers import NO_ASYNC_IO, async_io_buildable, events_of, job_processes, wait_for, wait_status
 
 
@@ -100,36 +101,42 @@ def test_a_cancelled_nvme_offload_job_leaves_no_swap_folder(api: httpx.Client, m
 
 
 def test_killed_worker_is_replaced_and_the_job_resumes_from_its_checkpoint(api: httpx.Client, stack: Any,
-                                                                           make_job: Any) -> None:
+                                                                           make_job: Any,
+                                                                           roots: dict[str, Path]) -> None:
     # Its own queue, so only the workers of this test take the job.
-    spec = make_job(name="resume", hyperparameters={"max_steps": 60}, resources={"queue": "killtest"},
+    spec = make_job(name="resume", hyperparameters={"max_steps": 48}, resources={"queue": "killtest"},
                     checkpointing={"every_steps": 6, "keep_last": 2})
     doomed = stack.start_worker("doomed", queues="killtest")
     job = api.post("/jobs", json=spec).json()
+    sampler = AttemptSampler(job["id"])
+    sampler.start()
     ckpt = wait_for(lambda: events_of(api, job["id"], ["checkpoint"]), 240, "a committed checkpoint")[0]
-    attempt1 = f"{job['id']}/attempts/1/spec.json"
+    a1 = ckpt["attempt"]
+    attempt1 = f"{job['id']}/attempts/{a1}/spec.json"
     assert job_processes(attempt1)
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.wait()
     stack.procs.pop("doomed")
     # The launcher and ranks of the dead worker's attempt go with it.
-    wait_for(lambda: not job_processes(attempt1), 15, "no process of attempt 1 left")
+    wait_for(lambda: not job_processes(attempt1), 15, "no process of the dead worker's attempt left")
 
     stack.start_worker("rescuer", queues="killtest")
     try:
         final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=400)
     finally:
         stack.stop("rescuer")
+        sampler.stop()
     assert final["status"] == "succeeded", final["error"]
-    assert final["attempt"] == 2
-    evs = events_of(api, job["id"])
-    started2 = [e for e in evs if e["type"] == "started" and e["attempt"] == 2]
+    assert final["attempt"] == a1 + 1
+    assert not sampler.overlaps, f"two attempts ran at once: {sampler.overlaps[:3]}"
+    evs = assert_history_exact(api, job["id"], roots["artifacts"] / "jobs" / job["id"])
+    started2 = [e for e in evs if e["type"] == "started" and e["attempt"] == a1 + 1]
     assert started2 and started2[0]["resumed_from_step"] >= ckpt["step"] > 0
-    first_step_2 = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == 2)
+    first_step_2 = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == a1 + 1)
     assert first_step_2 == started2[0]["resumed_from_step"] + 1
     states = [(e["attempt"], e["status"]) for e in evs if e["type"] == "state"]
-    assert (1, "lost") in states and (2, "queued") in states and states[-1] == (2, "succeeded")
-    assert final["progress"]["step"] == 60
+    assert (a1, "lost") in states and (a1 + 1, "queued") in states and states[-1] == (a1 + 1, "succeeded")
+    assert final["progress"]["step"] == 48
     assert not job_processes(job["id"])
 
 

@@ -17,6 +17,8 @@ class WorkerSettings(BaseSettings):
     poll_seconds: float = 0.2
     # SIGTERM lets the trainer save a checkpoint before it exits; after this it is killed.
     term_grace_seconds: float = 30.0
+    # How long a finished attempt keeps trying to report its end while Redis is unreachable.
+    report_retry_seconds: float = 600.0
     python: str | None = None  # interpreter for the launcher; defaults to this one
     log_tail_lines: int = 40
     # DeepSpeed builds its C++/CUDA ops on first use; they are cached here, one folder per installation.

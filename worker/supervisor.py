@@ -294,14 +294,23 @@ class Attempt:
         if outcome.output:
             data["output"] = outcome.output
         self.pending.append(("state", data))
-        for _ in range(30):  # the terminal state must get through; Redis may be restarting
+        # The terminal state must get through, whatever Redis is doing. The lease is renewed first on each
+        # try, so that once Redis is back the control plane sees this worker alive (and does not requeue
+        # the job) before it reads the state. The lease then stays a while: the terminal state must be
+        # ingested before a missing lease could look like a dead worker.
+        give_up = time.monotonic() + self.settings.report_retry_seconds
+        delay = 0.5
+        while True:
+            self.heartbeat(self.settings.lease_ttl_seconds * 6)
             self.flush()
             if not self.pending:
-                break
-            time.sleep(1)
-        # Keep the lease a while: the control plane must ingest the terminal state before it would
-        # take a missing lease for a dead worker.
-        self.heartbeat(self.settings.lease_ttl_seconds * 6)
+                return
+            if time.monotonic() > give_up:
+                log.error("job %s attempt %s: could not report %s for %.0f s; the control plane will requeue it",
+                          self.job_id, self.attempt, outcome.status.value, self.settings.report_retry_seconds)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,
