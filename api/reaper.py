@@ -32,8 +32,8 @@ DATASET_KEY = "ft:controlplane:dataset"
 # How long after a loss queued jobs are still looked at: an API that had sent a task just before the
 # loss may commit its dispatched_at only a little later.
 REDRIVE_WINDOW_SECONDS = 60.0
-# Clocks of the API's and the control plane's hosts may differ by this much.
-CLOCK_SLACK = timedelta(seconds=5)
+# An API that committed a job but has not sent it yet may still be sending it: leave it alone this long.
+API_SEND_SECONDS = 5
 
 
 class RedisLossWatch:
@@ -67,8 +67,11 @@ class Reaper:
         self.last_pass: float | None = None
         # No lease counts as missing before this (monotonic): the leases were lost with Redis's data.
         self.quiet_until = 0.0
-        # The latest Redis data loss (wall clock) while queued jobs may still need re-driving.
+        # The latest Redis data loss, while queued jobs may still need re-driving: when it was noticed by
+        # this host's clock, and by the database's (worked out on the first pass that reaches the database).
         self.lost_at: datetime | None = None
+        self.lost_mono = 0.0
+        self.lost_at_db: datetime | None = None
         self.redrive_deadline: float | None = None
         self.redriven: set[str] = set()
 
@@ -76,7 +79,7 @@ class Reaper:
         """Redis restarted empty: every queued task message, lease and claim key is gone."""
         log.warning("Redis lost its data: re-driving queued jobs; running ones keep their worker if it "
                     "re-creates its lease within %.0f s", self.settings.lease_ttl_seconds)
-        self.lost_at = now()
+        self.lost_at, self.lost_mono, self.lost_at_db = now(), time.monotonic(), None
         self.redrive_deadline = None
         self.redriven = set()
         self.missing_since.clear()
@@ -161,14 +164,21 @@ class Reaper:
         if self.redrive_deadline is not None and time.monotonic() > self.redrive_deadline:
             self.lost_at = None
             return []
-        cutoff = self.lost_at + CLOCK_SLACK
         with session_scope() as session:
-            query = select(Job).where(
-                Job.status == "queued",
-                # Sent before the loss was noticed (so perhaps into the lost data), or never sent and
-                # left alone by the API long enough that it no longer sends it.
-                or_(Job.dispatched_at <= cutoff,
-                    and_(Job.dispatched_at.is_(None), Job.updated_at < now() - timedelta(seconds=5))))
+            db_now = session.scalar(select(func.now()))
+            if self.lost_at_db is None:
+                self.lost_at_db = db_now - timedelta(seconds=time.monotonic() - self.lost_mono)
+            # Which task messages may have been in the lost data: those sent before the loss was noticed.
+            # The API sends, then commits dispatched_at (its clock, right after the send) and with it
+            # updated_at (the database's clock, after the send). Sending again a job whose message in
+            # fact survived costs one attempt number; missing one leaves it queued forever.
+            sent_before = and_(Job.dispatched_at.is_not(None),
+                               or_(Job.updated_at <= self.lost_at_db, Job.dispatched_at <= self.lost_at))
+            # Never marked sent: the send failed or the commit after it did. Once the API is surely done
+            # with it, a new attempt is safer than the same one, whose claim key may have gone with the data.
+            unsent = and_(Job.dispatched_at.is_(None), Job.updated_at <= self.lost_at_db,
+                          Job.updated_at < db_now - timedelta(seconds=API_SEND_SECONDS))
+            query = select(Job).where(Job.status == "queued", or_(sent_before, unsent))
             if self.redriven:
                 query = query.where(Job.id.not_in(self.redriven))
             jobs = list(session.scalars(query.order_by(Job.seq).with_for_update(skip_locked=True)))

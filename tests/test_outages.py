@@ -259,16 +259,18 @@ def test_c_a_sigkilled_control_plane_continues_from_its_pending_entries(
            wall_s=round(time.monotonic() - began, 1))
 
 
+def entry(job_id: str, kind: str, data: dict[str, Any], attempt: int = 1) -> dict[str, str]:
+    """A stream entry as the worker's publisher writes it (json.dumps lets NaN through, as it does there)."""
+    return {"job_id": job_id, "attempt": str(attempt), "type": kind, "ts": repr(time.time()),
+            "data": json.dumps(data)}
+
+
 def test_d_an_event_postgres_refuses_does_not_stall_ingestion(oapi: httpx.Client, outage_stack: Stack,
                                                               pg: PrivatePostgres, private_redis: PrivateRedis,
                                                               make_job: Callable[..., Any]) -> None:
     # A queue no worker serves: the job stays queued and only the events below are its story.
     job = submit(oapi, make_job(name="odd-events", resources={"queue": "nobody-serves-this"}))
     client = private_redis.client()
-
-    def entry(job_id: str, kind: str, data: dict[str, Any]) -> dict[str, str]:
-        # As the worker's publisher writes them (json.dumps lets NaN through, as it does there).
-        return {"job_id": job_id, "attempt": "1", "type": kind, "ts": repr(time.time()), "data": json.dumps(data)}
 
     # One transaction, so the ingester reads all four as one batch: the bad one must not sink the others.
     pipe = client.pipeline(transaction=True)
@@ -289,6 +291,34 @@ def test_d_an_event_postgres_refuses_does_not_stall_ingestion(oapi: httpx.Client
     assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     assert "is dropped" in log_of(outage_stack, "controlplane"), "the event Postgres refuses is named in the log"
     assert_alive(outage_stack, "controlplane")
+
+
+def test_e_events_after_the_end_are_kept_but_change_nothing(oapi: httpx.Client, outage_stack: Stack,
+                                                             pg: PrivatePostgres, private_redis: PrivateRedis,
+                                                             make_job: Callable[..., Any]) -> None:
+    # A worker that took the job just before its cancel reports on: what it says is the job's story.
+    job = submit(oapi, make_job(name="late-events", resources={"queue": "nobody-serves-this"}))
+    ended = oapi.post(f"/jobs/{job['id']}/cancel").json()
+    assert ended["status"] == "cancelled"
+    client = private_redis.client()
+    pipe = client.pipeline(transaction=True)
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "state", {"status": "starting", "worker": "w"}))
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "log", {"rank": None, "line": "late line"}))
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "state", {"status": "succeeded", "output": {"path": "/x"}}))
+    pipe.xadd(EVENTS_STREAM, entry(job["id"], "log", {"rank": None, "line": "not this attempt"}, attempt=2))
+    pipe.execute()
+    wait_for(lambda: len(stored_events(pg.dsn, job["id"])) >= 5, 30, "the late events stored")
+    wait_for(lambda: client.xlen(EVENTS_STREAM) == 0, 10, "the stream drained")
+    got = [(e["type"], e["data"]) for e in stored_events(pg.dsn, job["id"])]
+    why = "the job had already ended as cancelled"
+    assert got == [("state", {"status": "queued"}),
+                   ("state", {"status": "cancelled", "reason": "cancelled before it started"}),
+                   ("state", {"status": "starting", "worker": "w", "ignored": why}),
+                   ("log", {"rank": None, "line": "late line"}),
+                   ("state", {"status": "succeeded", "output": {"path": "/x"}, "ignored": why})]
+    after = oapi.get(f"/jobs/{job['id']}").json()
+    assert after["status"] == "cancelled" and after["output"] is None
+    assert after["finished_at"] == ended["finished_at"]
 
 
 def test_an_ended_job_keeps_its_final_state_and_row() -> None:
