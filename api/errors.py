@@ -1,25 +1,85 @@
-"""One error shape for every 4xx/5xx: {"error": {"code", "message", "field", "details"}}."""
+"""One error shape for every 4xx/5xx: {"error": {"code", "message", "field", "details"}}.
+
+The codes are one enum, documented in the OpenAPI schema with the shape itself, so clients can branch
+on `code` and the fuzzer can hold every error response to the schema.
+"""
 
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainer.dsconfig import FieldError, SpecError
 
 log = logging.getLogger(__name__)
 
+# Seconds a client should wait before retrying while Postgres or Redis is unreachable.
+RETRY_AFTER_SECONDS = 5
+
+
+class ErrorCode(str, Enum):
+    INVALID_REQUEST = "invalid_request"
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONFLICT = "conflict"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNAVAILABLE = "unavailable"
+    HTTP_ERROR = "http_error"
+    INTERNAL_ERROR = "internal_error"
+
+
+class FieldProblem(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    code: ErrorCode
+    message: str
+    field: str | None = Field(description="The request field at fault (the first one), or null")
+    details: list[FieldProblem] | None = Field(default=None, description="Every bad field, on a 422")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    401: "No valid bearer token (`Authorization: Bearer <token>`)",
+    404: "No such job",
+    409: "The job's state does not allow this",
+    413: "The body is larger than the limit (1 MiB)",
+    422: "A field is invalid; `field` and `details` name each one and say what is accepted",
+    503: "Postgres or Redis is unreachable; retry after `Retry-After` seconds",
+}
+_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}},
+}
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error responses a route can give, each with the error model."""
+    return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS[s],
+                **({"headers": _HEADERS[s]} if s in _HEADERS else {})} for s in statuses}
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 details: list[dict[str, str]] | None = None) -> None:
+    def __init__(self, status: int, code: ErrorCode, message: str, field: str | None = None,
+                 details: list[dict[str, str]] | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field, self.details = status, code, message, field, details
+        self.headers = headers
 
 
 def invalid(errors: list[FieldError]) -> ApiError:
@@ -29,41 +89,75 @@ def invalid(errors: list[FieldError]) -> ApiError:
         message = f"{errors[0].field}: {errors[0].message}"
     else:
         message = f"{len(errors)} invalid fields: " + "; ".join(f"{e.field}: {e.message}" for e in errors)
-    return ApiError(422, "invalid_request", message, errors[0].field, details)
+    return ApiError(422, ErrorCode.INVALID_REQUEST, message, errors[0].field, details)
 
 
-def body(code: str, message: str, field: str | None = None, details: Any = None) -> dict[str, Any]:
-    err: dict[str, Any] = {"code": code, "message": message, "field": field}
+def body(code: ErrorCode, message: str, field: str | None = None, details: Any = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code.value, "message": message, "field": field}
     if details is not None:
         err["details"] = details
     return {"error": err}
 
 
+def error_response(status: int, code: ErrorCode, message: str, field: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body(code, message, field), status_code=status, headers=headers)
+
+
+# Where pydantic puts a parameter; users know the parameter's name only.
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in _LOCATIONS)]
     # pydantic puts the union member or validator name in the path; users know only field names.
-    parts = [p for p in parts if not (p.startswith("function-") or p in ("int", "literal['auto']", "str"))]
+    parts = [p for p in parts if not (p.startswith("function-") or p in ("int", "constrained-int", "literal['auto']",
+                                                                         "str", "list[str]"))]
     return ".".join(parts) or "body"
+
+
+def _message(e: dict[str, Any]) -> str:
+    kind = e.get("type")
+    if kind == "extra_forbidden":
+        return "is not a known field"
+    if kind == "json_invalid":
+        return f"is not valid JSON: {(e.get('ctx') or {}).get('error', 'decode error')}"
+    msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+    expected = (e.get("ctx") or {}).get("expected")
+    if kind in ("literal_error", "enum") and expected:
+        return f"{str(e.get('input'))[:60]!r} is not accepted; accepted: {expected}"
+    return msg
 
 
 def _pydantic_errors(exc: RequestValidationError) -> list[FieldError]:
     out: list[FieldError] = []
     seen: set[tuple[str, str]] = set()
     for e in exc.errors():
-        field = _loc(tuple(e.get("loc", ())))
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "is not a known field"
+        field = "body" if e.get("type") == "json_invalid" else _loc(tuple(e.get("loc", ())))
+        msg = _message(e)
         if (field, msg) not in seen:
             seen.add((field, msg))
             out.append(FieldError(field, msg))
     return out
 
 
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether a database error means Postgres is down or restarting (not a bad statement)."""
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
+
+
+def unavailable(what: str) -> JSONResponse:
+    return error_response(503, ErrorCode.UNAVAILABLE, f"{what} is unreachable; retry in {RETRY_AFTER_SECONDS} s",
+                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(body(exc.code, exc.message, exc.field, exc.details), status_code=exc.status)
+        return JSONResponse(body(exc.code, exc.message, exc.field, exc.details), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(SpecError)
     async def _spec_error(_: Request, exc: SpecError) -> JSONResponse:
@@ -77,11 +171,32 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}.get(exc.status_code, "http_error")
-        return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code)
+        code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 401: ErrorCode.UNAUTHORIZED,
+                413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
+        # Keep the exception's headers: a 405 must say what is allowed (Allow).
+        return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(sa_exc.DBAPIError)
+    async def _database(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:
+        if database_unreachable(exc):
+            log.warning("Postgres unreachable during %s %s: %s", request.method, request.url.path,
+                        type(exc.orig).__name__)
+            return unavailable("the database")
+        return await _unexpected(request, exc)
+
+    @app.exception_handler(sa_exc.TimeoutError)
+    async def _pool_timeout(request: Request, exc: sa_exc.TimeoutError) -> JSONResponse:
+        log.warning("no database connection free for %s %s", request.method, request.url.path)
+        return unavailable("the database")
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _redis(request: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("Redis unreachable during %s %s: %s", request.method, request.url.path, exc)
+        return unavailable("Redis")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(body("internal_error", "an internal error occurred; see the server log"),
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(body(ErrorCode.INTERNAL_ERROR, "an internal error occurred; see the server log"),
                             status_code=500)

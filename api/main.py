@@ -3,17 +3,38 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from pydantic import ValidationError
 
 from api import errors
+from api.guards import MAX_BODY_BYTES, BearerAuth, BodyLimit
 from api.routes import health, jobs
+from api.settings import ApiSettings, get_settings
 
 
-def create_app() -> FastAPI:
+def load_settings() -> ApiSettings:
+    """The settings, or exit with what is wrong: a misconfigured API must not start and answer 500s."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()))
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            problems.append(f"FT_{where.upper()}: {msg}" if where else msg)
+        raise SystemExit("the API cannot start: " + "; ".join(problems)) from None
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    settings = settings or load_settings()
     app = FastAPI(title="Fine-tuning job service", version="0.1.0",
-                  description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back.")
+                  description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
+                              f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    # The last one added runs first: the token is checked before the body is read at all.
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BearerAuth, token=settings.api_token)
     return app
 
 

@@ -9,19 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import anyio
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from api.db import session_scope
+from api.errors import database_unreachable
 from api.models import TERMINAL, Job, JobEvent
 from api.services import events
+
+log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.3
 KEEPALIVE_SECONDS = 15.0
 BATCH = 500
+# While Postgres is unreachable a stream waits and retries, backing off up to RETRY_MAX_SECONDS; a restart
+# or failover then costs the reader nothing. After OUTAGE_GIVE_UP_SECONDS it ends the stream, and the
+# reader reconnects (with Last-Event-ID) to an API that may be healthier.
+RETRY_FIRST_SECONDS = 0.5
+RETRY_MAX_SECONDS = 5.0
+OUTAGE_GIVE_UP_SECONDS = 300.0
 
 
 def _read(job_id: str, after: int, types: list[str] | None) -> tuple[list[JobEvent], bool]:
@@ -36,8 +47,30 @@ async def follow(job_id: str, after: int, types: list[str] | None,
                  render: Callable[[JobEvent], str]) -> AsyncIterator[str]:
     """Yields rendered events after `after` until the job has ended and every event was sent."""
     last_sent = time.monotonic()
+    outage_since: float | None = None
+    delay = RETRY_FIRST_SECONDS
     while True:
-        rows, ended = await anyio.to_thread.run_sync(_read, job_id, after, types)
+        try:
+            rows, ended = await anyio.to_thread.run_sync(_read, job_id, after, types)
+        except SQLAlchemyError as exc:
+            if not database_unreachable(exc):
+                raise
+            now = time.monotonic()
+            if outage_since is None:
+                outage_since = now
+                log.warning("Postgres unreachable while following job %s; retrying", job_id)
+            if now - outage_since > OUTAGE_GIVE_UP_SECONDS:
+                log.warning("Postgres unreachable for %.0f s; ending the stream of job %s", now - outage_since, job_id)
+                return
+            if render is sse and now - last_sent > KEEPALIVE_SECONDS:
+                yield ": keep-alive\n\n"
+                last_sent = now
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+            continue
+        if outage_since is not None:
+            log.info("Postgres reachable again; job %s's stream continues after event %d", job_id, after)
+            outage_since, delay = None, RETRY_FIRST_SECONDS
         for row in rows:
             after = row.seq
             yield render(row)

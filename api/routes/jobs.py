@@ -2,70 +2,100 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import StringConstraints
 
 from api import streaming
-from api.deps import CurrentKey, RedisDep, SessionDep, SettingsDep
-from api.schemas import EventPage, Job, JobCreate, JobList
+from api.deps import RedisDep, SessionDep, SettingsDep, bearer
+from api.errors import invalid, responses
+from api.guards import StrictJSONRoute
+from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import events
 from api.services import jobs as service
+from trainer.dsconfig import FieldError
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+# Every route may answer these: the token is checked, the body measured and the stores reached for each.
+COMMON = (401, 413, 422, 503)
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=StrictJSONRoute, dependencies=[Depends(bearer)],
+                   responses=responses(*COMMON))
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# job_events.seq is a Postgres INTEGER: a larger cursor can match nothing, and Postgres refuses to compare it.
+MAX_SEQ = 2**31 - 1
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
+
+JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job id, as `POST /jobs` returned it")]
+Cursor = Annotated[int, Query(ge=0, le=MAX_SEQ, description="Events after this id (0: from the start)")]
+EventType = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
 
 
 @router.post("", status_code=201, response_model=Job)
-def create_job(spec: JobCreate, session: SessionDep, client: RedisDep, settings: SettingsDep,
-               _: CurrentKey) -> dict:
+def create_job(spec: JobCreate, session: SessionDep, client: RedisDep, settings: SettingsDep) -> dict[str, Any]:
     job = service.create(session=session, client=client, settings=settings, spec=spec)
     return service.to_public(job)
 
 
 @router.get("", response_model=JobList)
-def list_jobs(session: SessionDep, _: CurrentKey, status: str | None = None,
-              limit: Annotated[int, Query(ge=1, le=200)] = 20, after: str | None = None) -> dict:
+def list_jobs(session: SessionDep, status: Annotated[JobStatus | None, Query()] = None,
+              limit: Annotated[int, Query(ge=1, le=200)] = 20,
+              after: Annotated[str | None, Query(pattern=ID_PATTERN,
+                                                 description="The last id of the previous page")] = None,
+              ) -> dict[str, Any]:
     rows, has_more = service.list_jobs(session=session, status=status, limit=limit, after=after)
     return {"data": [service.to_public(j) for j in rows], "has_more": has_more}
 
 
-@router.get("/{job_id}", response_model=Job)
-def get_job(job_id: str, session: SessionDep, _: CurrentKey) -> dict:
+@router.get("/{job_id}", response_model=Job, responses=responses(404))
+def get_job(job_id: JobId, session: SessionDep) -> dict[str, Any]:
     return service.to_public(service.get(session=session, job_id=job_id))
 
 
-@router.post("/{job_id}/cancel", status_code=202, response_model=Job)
-def cancel_job(job_id: str, session: SessionDep, client: RedisDep, _: CurrentKey) -> dict:
+@router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409))
+def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> dict[str, Any]:
     return service.to_public(service.cancel(session=session, client=client, job_id=job_id))
 
 
 @router.get("/{job_id}/events", response_model=EventPage,
-            responses={200: {"content": {"text/event-stream": {}}}})
-def job_events(job_id: str, session: SessionDep, _: CurrentKey,
-               after: Annotated[int, Query(ge=0)] = 0, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-               type: Annotated[list[str] | None, Query()] = None,
-               accept: Annotated[str | None, Header()] = None,
-               last_event_id: Annotated[str | None, Header()] = None):
+            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                             "description": "A page of events, or with `Accept: text/event-stream` a live stream"},
+                       **responses(404)})
+def job_events(request: Request, job_id: JobId, session: SessionDep, after: Cursor = 0,
+               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+               type: Annotated[list[EventType] | None, Query(max_length=20,
+                                                             description="Only these event types")] = None,
+               last_event_id: Annotated[str | None, Header(
+                   alias="Last-Event-ID", pattern=r"^[0-9]{1,10}$",
+                   description="SSE resume point (an event id); wins over `after`")] = None,
+               ) -> Any:
     """A JSON page after a cursor, or with `Accept: text/event-stream` a live SSE stream."""
     service.get(session=session, job_id=job_id)
-    if accept and "text/event-stream" in accept:
-        start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
-        return StreamingResponse(streaming.follow(job_id, start, type, streaming.sse),
+    if last_event_id is not None:
+        if int(last_event_id) > MAX_SEQ:
+            raise invalid([FieldError("Last-Event-ID", f"must be an event id from 0 to {MAX_SEQ}")])
+        after = int(last_event_id)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        session.close()  # a stream may last hours: it must not hold a pooled connection all that time
+        return StreamingResponse(streaming.follow(job_id, after, type, streaming.sse),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     rows = events.page(session, job_id, after=after, limit=limit + 1, types=type)
     data = [events.public(r) for r in rows[:limit]]
     return {"data": data, "has_more": len(rows) > limit, "next_after": data[-1]["id"] if data else after}
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse)
-def job_logs(job_id: str, session: SessionDep, _: CurrentKey, follow: bool = False,
-             after: Annotated[int, Query(ge=0)] = 0):
+# response_class=Response (no media type of its own) keeps the error responses documented as JSON, which
+# they are; the 200 is plain text, declared here.
+@router.get("/{job_id}/logs", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "The log as text; with `follow=true` streamed until the job ends"},
+                       **responses(404)})
+def job_logs(job_id: JobId, session: SessionDep, follow: bool = False, after: Cursor = 0) -> Response:
     """Every rank's output as plain text; `follow=true` streams until the job ends (`curl -N`)."""
     service.get(session=session, job_id=job_id)
     if follow:
+        session.close()  # as for the event stream: no pooled connection held while following
         return StreamingResponse(streaming.follow(job_id, after, ["log"], streaming.log_line),
                                  media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)
     lines: list[str] = []
@@ -76,3 +106,4 @@ def job_logs(job_id: str, session: SessionDep, _: CurrentKey, follow: bool = Fal
         lines += [events.log_text(r) for r in rows]
         after = rows[-1].seq
     return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""))
+

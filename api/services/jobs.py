@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.dispatch import dispatch, run_spec
-from api.errors import ApiError, invalid
+from api.errors import ApiError, ErrorCode, invalid
 from api.models import STATUSES, TERMINAL, Job
 from api.services import events
 from api.services.paths import check_locations
@@ -89,7 +89,7 @@ def get(*, session: Session, job_id: str, lock: bool = False) -> Job:
     q = select(Job).where(Job.id == job_id)
     job = session.scalars(q.with_for_update() if lock else q).one_or_none()
     if job is None:
-        raise ApiError(404, "not_found", f"no job with id {job_id!r}", "id")
+        raise ApiError(404, ErrorCode.NOT_FOUND, f"no job with id {job_id!r}", "id")
     return job
 
 
@@ -111,7 +111,7 @@ def list_jobs(*, session: Session, status: str | None, limit: int, after: str | 
 def cancel(*, session: Session, client: redis.Redis, job_id: str) -> Job:
     job = get(session=session, job_id=job_id, lock=True)
     if job.status in TERMINAL:
-        raise ApiError(409, "conflict", f"job {job_id} already ended as {job.status}; it cannot be cancelled",
+        raise ApiError(409, ErrorCode.CONFLICT, f"job {job_id} already ended as {job.status}; it cannot be cancelled",
                        "status")
     if job.status == "cancelling":
         return job

@@ -1,0 +1,154 @@
+"""What every request passes before any route sees it: the bearer token, then the body size, then strict JSON.
+
+The first two are plain ASGI middleware so they act before FastAPI reads or validates anything: an
+unauthenticated request is refused without its body being read, and a body is counted while it
+streams in, so neither a missing nor a lying Content-Length gets more than the limit buffered.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import ErrorCode, error_response
+
+MAX_BODY_BYTES = 1024 * 1024
+# Documentation and probes stay reachable without a token.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+class BearerAuth:
+    """Refuses every request outside OPEN_PATHS without `Authorization: Bearer <token>` when a token is set.
+
+    Compares bytes, not str: the header may hold any bytes, and `secrets.compare_digest` raises on
+    non-ASCII str, which turned a wrong token into a 500.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.token or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, given = (_header(scope, b"authorization") or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, ErrorCode.UNAUTHORIZED,
+                                  "send the API token as 'Authorization: Bearer <token>'", "authorization",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class BodyLimit:
+    """Reads the whole body up front, at most `max_bytes` of it, and answers 413 beyond that.
+
+    Buffering here (1 MiB at most) is what makes the limit hold whatever Content-Length says; the
+    route then gets the body replayed from memory.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> Response:
+        return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE,
+                              f"the body is larger than {self.max_bytes} bytes, the limit", "body")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left; nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as streaming responses expect
+
+        await self.app(scope, replay, send)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of the range of a 64-bit float")
+    return value
+
+
+def strict_json(raw: bytes) -> Any:
+    """RFC 8259 JSON only: Python's json also takes NaN, Infinity and -Infinity, which no field means and
+    Postgres JSONB cannot store; numbers that overflow to infinity are refused for the same reason."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"the body is not UTF-8 ({exc.reason} at byte {exc.start})", "", 0) from None
+    except ValueError as exc:  # the hooks above, or an integer Python will not read
+        message = str(exc)
+        if "digits" in message:
+            message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise json.JSONDecodeError(message, "", 0) from None
+
+
+class StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = strict_json(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """Routes whose JSON bodies are parsed by `strict_json`; FastAPI turns its errors into a 422."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
