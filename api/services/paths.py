@@ -15,8 +15,20 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 def _under(root: Path, candidate: str) -> Path | None:
     """The real path of candidate (relative to root, or absolute) if it stays inside root."""
     path = Path(candidate)
-    full = (path if path.is_absolute() else root / path).resolve()
+    try:
+        full = (path if path.is_absolute() else root / path).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: nothing a job can use
+        return None
     return full if full == root or root in full.parents else None
+
+
+def _exists(path: Path, *, directory: bool) -> bool:
+    """is_dir/is_file, but False where the OS refuses the name (a component over 255 bytes raises
+    ENAMETOOLONG instead of answering, which made a long path a 500)."""
+    try:
+        return path.is_dir() if directory else path.is_file()
+    except OSError:
+        return False
 
 
 def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -> str | None:
@@ -25,7 +37,7 @@ def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -
     if full is None:
         errors.append(FieldError(field, f"{value!r} is outside the data root {root}; give a path under it"))
         return None
-    if not full.is_file():
+    if not _exists(full, directory=False):
         errors.append(FieldError(field, f"{value!r} does not exist under the data root {root}"))
         return None
     return str(full)
@@ -37,7 +49,7 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
     model_root = Path(settings.model_root).resolve()
     name = spec.model.name_or_path
     local = _under(model_root, name)
-    if local is not None and local.is_dir():
+    if local is not None and _exists(local, directory=True):
         spec.model.name_or_path = str(local)
     elif name.startswith(("/", ".", "~")):
         where = "is outside" if local is None else "does not exist under"
