@@ -257,6 +257,9 @@ BAD_CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "warmup beyond the step bound": (
         {"config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10**20}}}},
         ["deepspeed.config.scheduler.params.warmup_num_steps"]),
+    "raw micro x accumulation x processes above the global batch bound": (
+        {"num_gpus": 64, "config": {"train_micro_batch_size_per_gpu": 1_000_000, "gradient_accumulation_steps": 1000}},
+        ["deepspeed.config.gradient_accumulation_steps"]),
     "several errors at once": (
         {"config": {"wandb": {}, "trian_batch_size": 8, "zero_optimization": {"stage": 5}}},
         ["deepspeed.config.wandb", "deepspeed.config.trian_batch_size", "deepspeed.config.zero_optimization.stage"]),

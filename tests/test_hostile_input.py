@@ -165,6 +165,11 @@ JSON_CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("raw warmup beyond the bound",
      patched(deepspeed={"config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10**19}}}}),
      "deepspeed.config.scheduler.params.warmup_num_steps", "10000000"),
+    # No global batch in the job: the product became it, past the bound the trainer checks again.
+    ("raw micro x accumulation of 10**9", {**patched(
+        deepspeed={"config": {"train_micro_batch_size_per_gpu": 100_000, "gradient_accumulation_steps": 10_000}}),
+        "hyperparameters": {"max_steps": 2, "seq_len": 8}},
+     "deepspeed.config.gradient_accumulation_steps", "1000000"),
     ("seed 2**64", patched(hyperparameters={"seed": 2**64}), "hyperparameters.seed", "4294967295"),
     ("seed negative", patched(hyperparameters={"seed": -1}), "hyperparameters.seed", "0"),
     ("warmup 10**12 steps", patched(hyperparameters={"warmup_steps": 10**12}), "hyperparameters.warmup_steps", ""),

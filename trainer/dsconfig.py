@@ -441,6 +441,12 @@ def _resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], 
 
     if m is not None and a is not None:
         implied = m * a * world
+        if implied > MAX_BATCH:
+            # The product is stored as the job's global batch, which the trainer re-validates against the bound.
+            errors.append(FieldError("deepspeed.config.gradient_accumulation_steps",
+                                     f"train_micro_batch_size_per_gpu ({m}) × gradient_accumulation_steps ({a}) × "
+                                     f"processes ({world}) = {implied}, above the largest global batch {MAX_BATCH}"))
+            return min(g, MAX_BATCH), 1, 1
         if g_explicit and implied != g:
             field = "deepspeed.config.train_batch_size" if g_raw is not None else "hyperparameters.global_batch_size"
             fixes = [f"set train_batch_size to {implied}"]

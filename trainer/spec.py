@@ -121,7 +121,8 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """A model by hub id (`org/name`) or by a path under the configured model root."""
 
-    name_or_path: Text = Field(min_length=1, max_length=500)
+    # PATH_MAX: the API rewrites a local model to its absolute path, which the trainer validates again.
+    name_or_path: Text = Field(min_length=1, max_length=MAX_PATH_CHARS)
     revision: Text | None = Field(default=None, min_length=1, max_length=200)
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = Field(
