@@ -166,6 +166,39 @@ def test_a_postgres_restart_mid_job_loses_no_event(oapi: httpx.Client, outage_st
            events_stored=counts["stored"], wall_s=round(time.monotonic() - began, 1))
 
 
+def test_a2_a_job_that_ends_while_postgres_is_down_keeps_its_final_state(
+        oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres, private_redis: PrivateRedis,
+        roots: dict[str, Path], make_job: Callable[..., Any]) -> None:
+    began = time.monotonic()
+    job = submit(oapi, make_job(name="pg-outage-end", hyperparameters={"max_steps": 24}))
+    directory = job_dir(roots, job["id"])
+    wait_progress(directory, 1)
+    pg.stop()
+    down = time.monotonic()
+    # The whole rest of the job, its completion and the worker's terminal state happen with Postgres away:
+    # the terminal state waits in the stream, pending, until Postgres is back.
+    r = private_redis.client()
+
+    def terminal_published() -> bool:
+        return any(f[b"job_id"].decode() == job["id"] and f[b"type"] == b"state" and b"succeeded" in f[b"data"]
+                   for _, f in r.xrange(EVENTS_STREAM))
+
+    wait_for(terminal_published, 90, "the worker to publish the job's end while Postgres is down")
+    time.sleep(max(0.0, POSTGRES_OUTAGE_SECONDS - (time.monotonic() - down)))
+    pg.start()
+    outage = time.monotonic() - down
+
+    final = wait_status(oapi, job["id"], ENDED, timeout=120)
+    assert final["status"] == "succeeded", final["error"]
+    assert final["output"] and final["progress"]["step"] == 24
+    counts = compare_with_rank0(pg.dsn, job["id"], directory, 1)
+    assert states(pg.dsn, job["id"]) == [(1, "queued"), (1, "starting"), (1, "running"), (1, "succeeded")]
+    no_orphans(job["id"])
+    assert_alive(outage_stack, "controlplane", "api", "worker1")
+    figure("postgres_down_at_the_end", outage_s=round(outage, 1), rank0_lines_compared=counts["rank0"],
+           trainer_events_compared=counts["trainer"], wall_s=round(time.monotonic() - began, 1))
+
+
 def test_b_redis_restarted_empty_redrives_the_queued_job_and_the_running_one_continues(
         oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres, private_redis: PrivateRedis,
         roots: dict[str, Path], make_job: Callable[..., Any]) -> None:
