@@ -67,12 +67,12 @@ def job_events(request: Request, job_id: JobId, session: SessionDep, after: Curs
                type: Annotated[list[EventType] | None, Query(max_length=20,
                                                              description="Only these event types")] = None,
                last_event_id: Annotated[str | None, Header(
-                   alias="Last-Event-ID", pattern=r"^[0-9]{1,10}$",
-                   description="SSE resume point (an event id); wins over `after`")] = None,
+                   alias="Last-Event-ID", pattern=r"^[0-9]{0,10}$",
+                   description="SSE resume point (an event id; empty: none); wins over `after`")] = None,
                ) -> Any:
     """A JSON page after a cursor, or with `Accept: text/event-stream` a live SSE stream."""
     service.get(session=session, job_id=job_id)
-    if last_event_id is not None:
+    if last_event_id:
         if int(last_event_id) > MAX_SEQ:
             raise invalid([FieldError("Last-Event-ID", f"must be an event id from 0 to {MAX_SEQ}")])
         after = int(last_event_id)
