@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 from scripts.stack import ROOT
 from tests.apiproc import ApiProcess, TcpProxy, fresh_database, make_roots
 from tests.helpers import free_port, wait_for
+from trainer.spec import RAW_CONFIG_MAX_BYTES, json_problem
 
 TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -471,3 +473,42 @@ def test_redis_down_enqueue_is_deferred_and_cancel_is_503(hostile_db: str, roots
             assert c.get("/readyz").status_code == 503
     finally:
         api.stop()
+
+
+# -- the JSON limits themselves: exact, and cheap whatever the document --
+
+
+def test_json_size_limit_is_exact() -> None:
+    # The walk's early "too large" uses a lower bound of the serialized size: it must never refuse a
+    # document that fits, nor accept one that does not.
+    rng = random.Random(7)
+
+    def document(depth: int = 0) -> Any:
+        r = rng.random()
+        if depth < 5 and r < 0.3:
+            return {"k" * rng.randint(0, 4) + str(i): document(depth + 1) for i in range(rng.randint(0, 6))}
+        if depth < 5 and r < 0.6:
+            return [document(depth + 1) for _ in range(rng.randint(0, 6))]
+        return rng.choice([0, -1.5, 10**20, None, True, "s" * rng.randint(0, 30), "\u00e9" * rng.randint(0, 5)])
+
+    for _ in range(5000):
+        value = {"x": document()}
+        size = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+        for limit in (40, 200, 1000):
+            problem = json_problem(value, max_bytes=limit, max_depth=8, max_keys=100)
+            assert (problem is None) == (size <= limit), (size, limit, problem, value)
+
+
+def test_json_checks_cost_milliseconds_whatever_the_document() -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(900):
+        node["a"] = {}
+        node = node["a"]
+    worst = [{"a": [0] * 500_000}, {"a": "x" * 1_000_000}, {"a": [[{}] * 99 for _ in range(3000)]}, deep,
+             {"a": [[0] * 99 for _ in range(160)]}, {"a": [[] for _ in range(10_900)]}]
+    start = time.perf_counter()
+    problems = [json_problem(v, max_bytes=RAW_CONFIG_MAX_BYTES, max_depth=8, max_keys=100) for v in worst]
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.1, f"{elapsed:.3f} s"
+    assert [p is None for p in problems] == [False, False, False, False, True, True], problems

@@ -56,14 +56,49 @@ def json_problem(value: Any, *, max_bytes: int, max_depth: int, max_keys: int,
                  max_key_chars: int | None = None) -> str | None:
     """Why `value` is not a small JSON document Postgres can store, or None.
 
-    Serializes first, in C: that bounds every later step by `max_bytes` and finds NaN, Infinity, lone
-    surrogates and NUL characters without a Python loop over every value. Only containers are walked
-    after that, iteratively, so no input can exhaust the stack or cost more than a few milliseconds.
+    First a walk, one level of nesting at a time (no recursion, so no depth can exhaust the stack),
+    that counts a lower bound of the serialized size and stops as soon as it passes `max_bytes`: no
+    input costs more than about max_bytes steps. Only then is the document serialized, in C, which
+    finds NaN, Infinity, lone surrogates and NUL characters without a Python loop over every value.
     """
+    budget = max_bytes
+    too_large = f"is larger than {max_bytes} bytes of JSON"
+    level: list[Any] = [value]
+    for _ in range(max_depth):
+        deeper: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                if len(node) > max_keys:
+                    return f"has an object with {len(node)} keys; at most {max_keys} are accepted"
+                budget -= 2 * len(node) + 1  # braces, colons and commas
+                if budget < 0:
+                    return too_large
+                for key in node:
+                    budget -= len(key) + 2
+                    if max_key_chars is not None and len(key) > max_key_chars:
+                        return f"has a key longer than {max_key_chars} characters"
+                items: Any = node.values()
+            else:
+                budget -= len(node) + 1  # brackets and commas
+                if budget < 0:
+                    return too_large
+                items = node
+            for item in items:  # at most `budget` of them: the checks above bound the count
+                if isinstance(item, (dict, list)):
+                    deeper.append(item)  # counted with its own level
+                elif isinstance(item, str):
+                    budget -= len(item) + 2
+                else:
+                    budget -= 1
+            if budget < 0:
+                return too_large
+        if not deeper:
+            break
+        level = deeper
+    else:
+        return f"nests objects and arrays more than {max_depth} levels deep"
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except RecursionError:
-        return f"nests objects and arrays more than {max_depth} levels deep"
     except ValueError:
         return "has a number that is not finite; NaN and Infinity are not JSON"
     except TypeError as exc:
@@ -76,21 +111,7 @@ def json_problem(value: Any, *, max_bytes: int, max_depth: int, max_keys: int,
         return f"is {size} bytes of JSON; at most {max_bytes} are accepted"
     if _NUL_ESCAPE.search(text):
         return "has a key or string that contains a NUL character (\\u0000), which cannot be stored"
-    level: list[Any] = [value]  # one level of nesting at a time: no recursion, no per-node tuples
-    for _ in range(max_depth):
-        deeper: list[Any] = []
-        for node in level:
-            if isinstance(node, dict):
-                if len(node) > max_keys:
-                    return f"has an object with {len(node)} keys; at most {max_keys} are accepted"
-                if max_key_chars is not None and any(len(k) > max_key_chars for k in node):
-                    return f"has a key longer than {max_key_chars} characters"
-                node = node.values()
-            deeper += [c for c in node if isinstance(c, (dict, list))]
-        if not deeper:
-            return None
-        level = deeper
-    return f"nests objects and arrays more than {max_depth} levels deep"
+    return None
 
 
 def _json_object_check(max_bytes: int, max_depth: int, max_keys: int, max_key_chars: int | None = None) -> Any:
