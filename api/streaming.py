@@ -27,12 +27,11 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.3
 KEEPALIVE_SECONDS = 15.0
 BATCH = 500
-# While Postgres is unreachable a stream waits and retries, backing off up to RETRY_MAX_SECONDS; a restart
-# or failover then costs the reader nothing. After OUTAGE_GIVE_UP_SECONDS it ends the stream, and the
-# reader reconnects (with Last-Event-ID) to an API that may be healthier.
+# While Postgres is unreachable a stream waits and retries, backing off up to RETRY_MAX_SECONDS, for as
+# long as the reader stays: a restart or failover then costs the reader nothing. It never ends the stream
+# for an outage, since a cleanly ended stream tells the reader the job has ended.
 RETRY_FIRST_SECONDS = 0.5
 RETRY_MAX_SECONDS = 5.0
-OUTAGE_GIVE_UP_SECONDS = 300.0
 
 
 def _read(job_id: str, after: int, types: list[str] | None) -> tuple[list[JobEvent], bool]:
@@ -59,9 +58,6 @@ async def follow(job_id: str, after: int, types: list[str] | None,
             if outage_since is None:
                 outage_since = now
                 log.warning("Postgres unreachable while following job %s; retrying", job_id)
-            if now - outage_since > OUTAGE_GIVE_UP_SECONDS:
-                log.warning("Postgres unreachable for %.0f s; ending the stream of job %s", now - outage_since, job_id)
-                return
             if render is sse and now - last_sent > KEEPALIVE_SECONDS:
                 yield ": keep-alive\n\n"
                 last_sent = now
@@ -69,7 +65,8 @@ async def follow(job_id: str, after: int, types: list[str] | None,
             delay = min(delay * 2, RETRY_MAX_SECONDS)
             continue
         if outage_since is not None:
-            log.info("Postgres reachable again; job %s's stream continues after event %d", job_id, after)
+            log.warning("Postgres reachable again after %.0f s; job %s's stream continues after event %d",
+                        time.monotonic() - outage_since, job_id, after)
             outage_since, delay = None, RETRY_FIRST_SECONDS
         for row in rows:
             after = row.seq

@@ -425,32 +425,39 @@ def test_postgres_down_then_back_then_restarting(hostile_db: str, redis_url: str
             job_id = r.json()["id"]
             assert c.get("/readyz").status_code == 200
 
-            # A follower of the job's events must outlive a restart that kills every connection.
+            # Followers of the job's events and log must outlive a restart that kills every connection.
             lines: list[str] = []
-            stream_done = threading.Event()
+            ended = {"events": threading.Event(), "logs": threading.Event()}
 
-            def follow() -> None:
-                with httpx.Client(base_url=api.url, headers=AUTH, timeout=60) as f, \
-                        f.stream("GET", f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream"}) as s:
-                    for line in s.iter_lines():
-                        lines.append(line)
-                stream_done.set()
+            def follow(kind: str, params: dict[str, str], headers: dict[str, str]) -> None:
+                try:
+                    with httpx.Client(base_url=api.url, headers=AUTH, timeout=60) as f, \
+                            f.stream("GET", f"/jobs/{job_id}/{kind}", params=params, headers=headers) as s:
+                        lines.append(f"{kind}: {s.status_code}")
+                        for line in s.iter_lines():
+                            lines.append(line)
+                except httpx.HTTPError as exc:  # the server broke the stream off
+                    lines.append(f"{kind}: {exc!r}")
+                finally:
+                    ended[kind].set()
 
-            reader = threading.Thread(target=follow, daemon=True)
-            reader.start()
-            wait_for(lambda: "event: state" in lines, 20, "the stream's first event")
+            for args in (("events", {}, {"Accept": "text/event-stream"}), ("logs", {"follow": "true"}, {})):
+                threading.Thread(target=follow, args=args, daemon=True).start()
+            wait_for(lambda: "event: state" in lines, 20, "the event stream's first event")
 
             proxy.cut()  # a restart: every pooled connection dies, new ones are refused
             for r in every_route(c, job_id):
                 assert_unavailable(r)
-            time.sleep(2)  # the stream keeps retrying meanwhile
-            assert not stream_done.is_set(), f"the event stream died with the database: {lines}"
+            time.sleep(3)  # both streams keep retrying meanwhile
+            assert not any(e.is_set() for e in ended.values()), f"a stream died with the database: {lines}"
 
             proxy.restore()
             wait_for(lambda: c.get(f"/jobs/{job_id}").status_code == 200, 20, "the API to recover")
             assert c.post(f"/jobs/{job_id}/cancel").json()["status"] == "cancelled"
-            assert stream_done.wait(20), f"the stream did not deliver the end of the job: {lines}"
+            for kind, done in ended.items():
+                assert done.wait(20), f"the {kind} stream did not end with the job: {lines}"
             assert any('"status": "cancelled"' in line for line in lines), lines
+            assert "events: 200" in lines and "logs: 200" in lines and not any("Error" in x for x in lines), lines
         assert "unhandled error" not in api.log() and "Exception in ASGI" not in api.log(), api.log()[-3000:]
     finally:
         api.stop()
