@@ -7,9 +7,11 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from api.deps import RedisDep, SessionDep
+from api.errors import responses
 from api.schemas import Health
 
-router = APIRouter(tags=["health"])
+# The body limit holds for every request, probes included.
+router = APIRouter(tags=["health"], responses=responses(413))
 
 
 @router.get("/healthz", response_model=Health)
