@@ -210,6 +210,7 @@ def commit_without_ack() -> int:
 
     client = redis.Redis.from_url(get_settings().redis_url)
     ingester = Ingester(client)
+    time.sleep(1)  # let the trainer's events pile up: the batch left unacknowledged is then a real one
     end = time.monotonic() + 30
     entries: list[tuple[str, dict[str, str]]] = []
     while not entries and time.monotonic() < end:
