@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,8 @@ def test_b_redis_restarted_empty_redrives_the_queued_job_and_the_running_one_con
     for job_id in (running["id"], waiting["id"]):
         no_orphans(job_id)
     assert_alive(outage_stack, "controlplane", "api", "worker1")
-    assert "Redis lost its data" in log_of(outage_stack, "controlplane")
+    assert f"job {waiting['id']} re-sent as attempt 2 after Redis lost its data" in log_of(outage_stack,
+                                                                                         "controlplane")
     figure("redis_restart_empty", redis_down_s=round(down, 1), idle_worker_s=round(idle, 1),
            running_rank0_lines=counts_running["rank0"], running_trainer_events=counts_running["trainer"],
            queued_rank0_lines=counts_waiting["rank0"], queued_trainer_events=counts_waiting["trainer"],
@@ -257,8 +259,6 @@ def test_b_redis_restarted_empty_redrives_the_queued_job_and_the_running_one_con
 
 
 def _ts(value: str) -> float:
-    from datetime import datetime
-
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
