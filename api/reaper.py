@@ -8,10 +8,12 @@ a Redis lost with its data (RedisLossWatch tells when).
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
 from datetime import datetime, timedelta
+from typing import Any
 
 import redis
 from sqlalchemy import and_, func, or_, select
@@ -22,7 +24,7 @@ from api.models import ACTIVE, Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now, send
 from api.settings import ApiSettings
-from worker.keys import attempt_key, cancel_key, lease_key
+from worker.keys import attempt_key, cancel_key, lease_key, released_key
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +104,18 @@ class Reaper:
                     pipe.set(cancel_key(job.id), job.attempt, ex=CANCEL_KEY_TTL)
             active = [j for j in jobs if j.status in ACTIVE]
             for job in active:
-                pipe.exists(lease_key(job.id, job.attempt))
-            replies = pipe.execute()[-len(active):] if active else []
+                pipe.exists(lease_key(job.id, job.attempt)).get(released_key(job.id, job.attempt))
+            replies = pipe.execute()[-2 * len(active):] if active else []
         clock = time.monotonic()
         live = set()
-        for job, alive in zip(active, replies, strict=True):
+        for job, alive, released in zip(active, replies[::2], replies[1::2], strict=True):
             key = (job.id, job.attempt)
             live.add(key)
+            if released is not None and not alive:
+                # Its worker shut down cleanly after a checkpoint, its processes already gone: not a loss.
+                if self._lost(job.id, job.attempt, released=json.loads(released)):
+                    acted.append(job.id)
+                continue
             if alive or clock < self.quiet_until:
                 self.missing_since.pop(key, None)
                 continue
@@ -122,7 +129,8 @@ class Reaper:
         self.last_pass = time.monotonic()
         return acted
 
-    def _lost(self, job_id: str, attempt: int) -> bool:
+    def _lost(self, job_id: str, attempt: int, released: dict[str, Any] | None = None) -> bool:
+        """Requeue (or end) the attempt; `released` is what a worker that handed the job back said."""
         with session_scope() as session:
             job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
             if job.attempt != attempt or job.status not in ACTIVE:
@@ -132,22 +140,26 @@ class Reaper:
                 events.append(session, job, "state", {"status": "cancelled", "reason": "worker lost while cancelling"})
                 return True
             # Workers lost, not attempt numbers: a re-drive after a Redis data loss also takes a new attempt.
-            losses = 1 + _losses(session, job_id)
-            if losses >= self.settings.max_attempts:
+            losses = (0 if released is not None else 1) + _losses(session, job_id)
+            if released is None and losses >= self.settings.max_attempts:
                 job.status, job.finished_at = "failed", now()
                 job.error = {"code": "worker_lost",
                              "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
                                         f"{self.settings.max_attempts} allowed attempts lost their worker"}
                 events.append(session, job, "state", {"status": "failed", "error": job.error})
                 return True
-            events.append(session, job, "state", {"status": "lost", "reason": "worker stopped heartbeating"})
+            if released is not None:
+                events.append(session, job, "state", {"status": "released", **released})
+                why = "requeued after its worker shut down"
+            else:
+                events.append(session, job, "state", {"status": "lost", "reason": "worker stopped heartbeating"})
+                why = "requeued after worker loss"
             job.attempt = attempt + 1
             job.status = "queued"
             job.dispatched_at = None
-            events.append(session, job, "state", {"status": "queued", "reason": "requeued after worker loss",
-                                                  "previous_attempt": attempt})
+            events.append(session, job, "state", {"status": "queued", "reason": why, "previous_attempt": attempt})
             session.commit()
-            log.warning("job %s lost its worker on attempt %d; requeued as attempt %d", job_id, attempt, attempt + 1)
+            log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, why, attempt + 1)
             send(session=session, client=self.r, job=job)
             return True
 

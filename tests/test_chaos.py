@@ -137,6 +137,8 @@ def test_a_worker_stopped_for_a_deploy_checkpoints_and_its_job_resumes_elsewhere
     evs = assert_history_exact(api, job["id"], job_dir)
     interrupted = first(evs, "interrupted", a1)
     assert interrupted["reason"] == "SIGTERM"
+    states = [(e["attempt"], e["status"]) for e in evs if e["type"] == "state"]
+    assert (a1, "released") in states and (a1, "lost") not in states, "a deploy is not a lost worker"
     assert first(evs, "started", a1 + 1)["resumed_from_step"] == interrupted["step"], "no step trained twice"
     assert_next_attempt_owns_the_results(job_dir, a1, interrupted["step"])
     assert not job_processes(job["id"])

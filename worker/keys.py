@@ -21,3 +21,9 @@ def lease_key(job_id: str, attempt: int) -> str:
 def claim_key(job_id: str, attempt: int) -> str:
     """Set once, so a redelivered task message cannot start the same attempt twice."""
     return f"ft:job:{job_id}:claim:{attempt}"
+
+
+def released_key(job_id: str, attempt: int) -> str:
+    """Set by a worker that shut down after the attempt checkpointed: the control plane requeues the job
+    at once, and does not count it as a lost worker."""
+    return f"ft:job:{job_id}:released:{attempt}"

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from trainer import fence, swap
-from worker.keys import attempt_key, cancel_key, claim_key, lease_key
+from worker.keys import attempt_key, cancel_key, claim_key, lease_key, released_key
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
 from worker.publisher import Publisher
@@ -281,12 +281,17 @@ class Attempt:
             return
         if outcome.status is Status.RELEASED:
             self.flush()
-            # No terminal state: the job is not over. Without its lease the control plane requeues it
-            # as the next attempt, which resumes from the checkpoint just saved.
+            # No terminal state: the job is not over. The control plane requeues it as the next attempt,
+            # which resumes from the checkpoint just saved. Every process of the attempt is gone by now,
+            # so the lease goes too: nothing needs the usual grace before the next attempt may start.
+            note = {"reason": "the worker shut down (SIGTERM) after the trainer saved a checkpoint",
+                    "worker": self.worker_id}
             try:
-                self.r.delete(lease_key(self.job_id, self.attempt))
+                self.r.pipeline(transaction=False).set(
+                    released_key(self.job_id, self.attempt), json.dumps(note), ex=7 * 24 * 3600).delete(
+                    lease_key(self.job_id, self.attempt)).execute()
             except redis.RedisError as exc:
-                log.warning("could not drop the lease (it expires by itself): %s", exc)
+                log.warning("could not hand the job back (its lease expires by itself): %s", exc)
             return
         data: dict[str, Any] = {"status": outcome.status.value, "usage": self.usage}
         if outcome.error:
