@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # Runs GPU benchmark stages on the device machine; each prints one JSON line into $OUT/results.jsonl.
-#   bash bench/gpu.sh setup trainer_gpt2 trainer_llama1b_z2 ...
+#   bash bench/gpu.sh setup trainer_gpt2 trainer_llama1b_z2 ... pack
+# Every stage's whole output goes to $LOGS; the `pack` stage puts them into $OUT/logs.tgz (a device call
+# returns at most 8 files). STEPS sets the steps of the Llama-1B trainer stages (default 30).
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/bench-logs}
+STEPS=${STEPS:-30}
+mkdir -p "$OUT" "$LOGS"
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run() {  # name timeout cmd...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date +%T))" | tee -a "$OUT/log.txt"
-  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  timeout "$limit" "$@" > "$LOGS/$name.out" 2> "$LOGS/$name.err"
   local rc=$?
-  grep -h '^{"recipe"' "$OUT/$name.out" | tee -a "$OUT/results.jsonl"
-  [ $rc -eq 0 ] || { echo "$name exited $rc"; tail -c 1500 "$OUT/$name.err"; } | tee -a "$OUT/log.txt"
+  grep -h '^{"recipe"' "$LOGS/$name.out" | tee -a "$OUT/results.jsonl"
+  [ $rc -eq 0 ] || { echo "$name exited $rc"; tail -c 1500 "$LOGS/$name.out"; tail -c 1500 "$LOGS/$name.err"; } | tee -a "$OUT/log.txt"
+}
+# trainer_llama1b <name> <zero> [flags…]: the Llama-3.2-1B shape with the job's defaults plus the flags.
+trainer_llama1b() {
+  local name=$1 zero=$2; shift 2
+  run "$name" 500 python3 -m bench.run_trainer --model llama1b --zero "$zero" --steps "$STEPS" \
+    --skip $((STEPS < 20 ? 4 : 8)) --log "$LOGS/$name.launcher.log" "$@"
 }
 L="python3 -m deepspeed.launcher.runner --num_gpus 1"
 for stage in "$@"; do
@@ -31,8 +41,19 @@ for stage in "$@"; do
     seed) run seed 400 $L bench/seed_recipe.py --steps 30 ;;
     hf_llama1b) run hf_llama1b 400 $L bench/hf_trainer_ref.py --model llama1b --micro 8 --steps 25 ;;
     trainer_gpt2) run trainer_gpt2 400 python3 -m bench.run_trainer --model gpt2 --steps 30 --label trainer_defaults ;;
-    trainer_llama1b_z2) run trainer_llama1b_z2 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 ;;
-    trainer_llama1b_z3) run trainer_llama1b_z3 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 ;;
+    kernel_tests)  # the kernel plan against the stock model, on this GPU (the launched CPU test is left to CI)
+      run kernel_tests 300 python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/test_kernels.py -k "not launched"
+      tail -n 15 "$LOGS/kernel_tests.out" | tee -a "$OUT/log.txt" ;;
+    kernel_bench) run kernel_bench 200 python3 -m bench.kernel_bench --micro 16 ;;
+    trainer_llama1b_z2) trainer_llama1b trainer_llama1b_z2 2 ;;
+    trainer_llama1b_z3) trainer_llama1b trainer_llama1b_z3 3 ;;
+    trainer_llama1b_z2_torch) trainer_llama1b trainer_llama1b_z2_torch 2 --kernels torch --label trainer_kernels_torch ;;
+    trainer_llama1b_z3_torch) trainer_llama1b trainer_llama1b_z3_torch 3 --kernels torch --label trainer_kernels_torch ;;
+    profile_llama1b_z*)  # profile_llama1b_z<stage>[_torch]: where a step's GPU time goes, 3 profiled steps
+      IFS=_ read -r _ _ z k <<< "$stage"
+      run "$stage" 400 python3 -m deepspeed.launcher.runner --num_gpus 1 --module bench.profile_trainer \
+        --model llama1b --zero "${z#z}" --kernels "${k:-auto}" --steps 9 --active 3 --table "$LOGS/$stage.table.txt" ;;
+    pack) tar czf "$OUT/logs.tgz" -C "$LOGS" . && ls -la "$OUT" ;;
     trainer_llama1b_z3_compile) run trainer_llama1b_z3_compile 500 python3 -m bench.run_trainer --model llama1b --zero 3 --steps 30 --compile on ;;
     trainer_llama1b_z2_nocompile) run trainer_llama1b_z2_nocompile 500 python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --compile off ;;
     trainer_llama1b_z2_fp16) run trainer_llama1b_z2_fp16 300 python3 -m bench.run_trainer --model llama1b --zero 2 --precision fp16 --steps 20 ;;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
         write_documents(data, a.tokens)
     job: dict[str, Any] = {
         "name": f"bench-{a.model}", "model": {"name_or_path": str(model_dir), "init": "random",
-                                               "attn_implementation": a.attn},
+                                               "attn_implementation": a.attn, "kernels": a.kernels},
         "data": {"train": str(data), "format": "text"},
         "hyperparameters": {"max_steps": a.steps, "seq_len": a.seq, "global_batch_size": a.global_batch,
                             "micro_batch_size": a.micro if a.micro == "auto" else int(a.micro),
@@ -57,7 +58,7 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
     if a.lora:
         job["lora"] = {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
     resolved = resolve(JobSpec.model_validate(job), limits=ResolveLimits())
-    tag = f"{a.model}-z{a.zero}-{a.precision}-{a.offload}-{'lora' if a.lora else 'full'}"
+    tag = f"{a.model}-z{a.zero}-{a.precision}-{a.offload}-{'lora' if a.lora else 'full'}-{a.kernels}"
     job_dir = work / "jobs" / tag
     run = RunSpec(job=resolved, paths={"job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "ckpt"),
                                        "output_dir": str(job_dir / "out")})
@@ -94,6 +95,14 @@ def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     return out
 
 
+def compile_log(text: str) -> dict[str, int]:
+    """torch.compile's own words in the run's log: recompilations, and the warning that a function hit the
+    recompile limit and runs eagerly from then on (what must never happen in a benchmark row)."""
+    return {"recompiles": text.count("Recompiling function"),
+            "recompile_limit_warnings": len(re.findall(r"recompile_limit|cache_size_limit", text)),
+            "graph_break_warnings": text.count("Graph break")}
+
+
 def exported(spec: Path) -> dict[str, Any]:
     """The committed export's weight size: evidence in the figure line that the run got past its export."""
     out = Path(RunSpec.model_validate_json(spec.read_text()).paths.output_dir)
@@ -116,6 +125,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4_000_000)
     p.add_argument("--attn", default="auto")
     p.add_argument("--compile", default="auto")
+    p.add_argument("--kernels", default="auto", help="auto: Liger where installed; torch: the model's own modules")
+    p.add_argument("--log", default=None, help="write the launcher's whole output here")
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="offloaded optimizer state in pageable host memory")
@@ -127,7 +138,9 @@ def main() -> None:
     spec = build_run(a, Path(a.work))
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.gpus), "--module", "trainer",
             "--spec", str(spec)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # TORCH_LOGS=recompiles: every recompilation is logged with its reason, so the row can count them.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "TORCH_LOGS": os.environ.get("TORCH_LOGS", "recompiles")}
     t0 = time.time()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     events = []
@@ -139,9 +152,11 @@ def main() -> None:
                 pass
     row = {"recipe": a.label, "model": a.model, "zero": a.zero, "precision": a.precision, "offload": a.offload,
            "lora": a.lora, "seq": a.seq, "global_batch": a.global_batch, "activation_checkpointing": a.ckpt,
-           "pin_memory": not a.no_pin, "offload_ratio": a.offload_ratio,
+           "pin_memory": not a.no_pin, "offload_ratio": a.offload_ratio, "kernels": a.kernels,
            "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip),
-           **exported(spec)}
+           **exported(spec), **compile_log(proc.stdout + proc.stderr)}
+    if a.log:
+        Path(a.log).write_text(proc.stdout + proc.stderr)
     print(json.dumps(row), flush=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -15,10 +15,9 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, memory, swap, tuning
+from trainer import checkpoint, export, kernels, memory, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -58,18 +57,8 @@ def ds_config(run: RunSpec, swap_folder: Path | None) -> tuple[dict[str, Any], l
     return cfg, adjustments
 
 
-def token_loss_sum(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross entropy over labelled tokens (the caller divides by the global count)."""
-    labels = batch.pop("labels")
-    out = engine(**batch, use_cache=False)
-    logits = out.logits[:, :-1, :]
-    targets = labels[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
-
-
-def _to(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+# Summed next-token cross entropy of a host batch, through the kernels this process chose (trainer.kernels).
+token_loss_sum = kernels.token_loss_sum
 
 
 def _all_reduce_sum(values: list[float], device: str) -> list[float]:
@@ -93,7 +82,7 @@ def evaluate(engine: Any, blocks: Blocks, micro: int, rank: int, world: int,
             weight = 1.0 if chunk else 0.0
             batch = blocks.batch(chunk or [0])
             n = float((batch["labels"][:, 1:] != IGNORE).sum())
-            total += weight * float(token_loss_sum(engine, _to(batch, device)))
+            total += weight * float(token_loss_sum(engine, batch, device))
             count += weight * n
     engine.train()
     total, count = _all_reduce_sum([total, count], device)
@@ -158,6 +147,8 @@ def run(run_spec: RunSpec) -> None:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     swap_folder = swap.attempt_folder(run_spec.model_dump())
     cfg, adjustments = ds_config(run_spec, swap_folder)
+    plan = kernels.choose(job, _on_gpu(), model)
+    adjustments += kernels.apply(model, plan)
     zero = cfg.get("zero_optimization", {})
     share = memory.offloaded_share(zero.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
                                    int(zero.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
@@ -170,8 +161,7 @@ def run(run_spec: RunSpec) -> None:
         accum = hp.global_batch_size // (micro * world)
         cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
         emit_rank0("resolved", micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
-    if tuning.should_compile(job, _on_gpu()):
-        adjustments.append(f"torch.compile on {tuning.compile_blocks(model)} transformer blocks")
+    adjustments += kernels.compile_for(model, plan)
     order = BatchOrder(len(train_blocks), micro=micro, accum=accum, world=world, seed=hp.seed)
     total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
     engine, _, _, scheduler = deepspeed.initialize(
@@ -208,7 +198,7 @@ def run(run_spec: RunSpec) -> None:
         scale = order.accum * world / max(1, label_tokens)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for rows in order.micro_rows(state.epoch, state.next_batch, rank):
-            loss = token_loss_sum(engine, _to(train_blocks.batch(rows), device))
+            loss = token_loss_sum(engine, train_blocks.batch(rows), device)
             engine.backward(loss * scale)
             loss_sum += loss.detach().float()  # no host sync per micro batch
             lr = scheduler.get_last_lr()[0]

@@ -148,7 +148,13 @@ class ModelSpec(_Strict):
     trust_remote_code: bool = False
     init: Literal["pretrained", "random"] = Field(
         default="pretrained", description="random: the model's config with freshly initialised weights")
-    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
+        default="auto", description="auto: on CUDA in bf16/fp16, FlashAttention's variable-length kernel over each "
+                                    "packed document for Llama-family models; sdpa otherwise")
+    kernels: Literal["auto", "torch"] = Field(
+        default="auto", description="auto: on CUDA, Liger's fused RMSNorm, rotary, SwiGLU and linear+cross-entropy "
+                                    "kernels for Llama-family full fine-tunes where liger-kernel is installed (the "
+                                    "`gpu` extra); torch: the model's own modules. The started event says what ran")
 
 
 class DataSpec(_Strict):

@@ -1,4 +1,5 @@
-"""Speed and memory choices made on the device itself: block compilation and the `auto` micro batch."""
+"""Speed and memory choices made on the device itself: block compilation and the `auto` micro batch
+(which kernels run is `trainer.kernels`)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,6 @@ from trainer.spec import ResolvedJob
 # What a GPU may hold beyond the probe's own peak: allocator fragmentation, NCCL and DeepSpeed buffers.
 HEADROOM_FRACTION = 0.90
 RESERVE_BYTES = 3 * 2**30
-
-
-def should_compile(job: ResolvedJob, on_gpu: bool) -> bool:
-    mode = job.spec.deepspeed.compile
-    if mode != "auto":
-        return mode == "on"
-    # Measured on the H200 with ZeRO-2 and ZeRO-3 (bench/RESULTS.md); LoRA's wrapped modules are not.
-    return on_gpu and job.spec.lora is None
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -68,7 +61,7 @@ def probe_micro_batch(model: torch.nn.Module, job: ResolvedJob, loss_fn: Any, de
         try:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            loss = loss_fn(model, {"input_ids": ids, "labels": ids.clone()})
+            loss = loss_fn(model, {"input_ids": ids, "labels": ids.clone()}, device)
             loss.backward()
             peak = torch.cuda.max_memory_allocated(device)
         except torch.OutOfMemoryError:
