@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 from pydantic import ValidationError
 
-from api import errors
+from api import errors, pg
 from api.guards import MAX_BODY_BYTES, BearerAuth, BodyLimit
 from api.routes import health, jobs
 from api.settings import ApiSettings, get_settings
@@ -24,9 +27,15 @@ def load_settings() -> ApiSettings:
         raise SystemExit("the API cannot start: " + "; ".join(problems)) from None
 
 
+@asynccontextmanager
+async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    yield
+    await pg.close()
+
+
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or load_settings()
-    app = FastAPI(title="Fine-tuning job service", version="0.1.0",
+    app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
     errors.install(app)

@@ -29,13 +29,18 @@ STATUSES = ("queued", *ACTIVE, *TERMINAL)
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (CheckConstraint(f"status IN {STATUSES!r}", name="status_valid"),)
+    __table_args__ = (
+        CheckConstraint(f"status IN {STATUSES!r}", name="status_valid"),
+        # Keyset pages of the job list, newest first, filtered by status or queue.
+        Index("ix_jobs_status_seq", "status", "seq"),
+        Index("ix_jobs_queue_seq", "queue", "seq"),
+    )
 
     # Internal order for "newest first" and cursors; the public id is opaque.
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(40), unique=True, nullable=False)
     name: Mapped[str] = mapped_column(String(200), nullable=False, default="")
-    status: Mapped[str] = mapped_column(String(16), nullable=False, index=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     queue: Mapped[str] = mapped_column(String(64), nullable=False, default="default")
     request: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)

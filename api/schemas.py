@@ -40,7 +40,9 @@ class Checkpoint(BaseModel):
     committed: bool
 
 
-class Job(BaseModel):
+class JobSummary(BaseModel):
+    """A job as lists show it: everything but the request and its resolution (read one job for those)."""
+
     id: str
     name: str
     status: JobStatus
@@ -51,15 +53,19 @@ class Job(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    request: dict[str, Any] = Field(description="The request as sent")
-    resolved: dict[str, Any] = Field(description="The full resolved request and the rendered DeepSpeed config")
     checkpoints: list[Checkpoint]
     output: dict[str, Any] | None = Field(description="Where the exported model is, once the job succeeded")
     metadata: dict[str, Any]
 
 
+class Job(JobSummary):
+    request: dict[str, Any] = Field(description="The request as sent")
+    resolved: dict[str, Any] = Field(description="The full resolved request and the rendered DeepSpeed config")
+
+
 class JobList(BaseModel):
-    data: list[Job]
+    data: list[JobSummary] = Field(description="Newest first; `GET /jobs/{id}` has each job's request and "
+                                               "resolved configuration")
     has_more: bool
 
 

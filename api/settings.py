@@ -32,6 +32,8 @@ class ApiSettings(BaseSettings):
     # live worker re-creates its lease within one TTL, so no missing lease counts before then.
     lease_ttl_seconds: float = 10.0
     max_attempts: int = 3
+    # Connections each API process keeps for its asynchronous reads (api/pg.py).
+    api_db_pool_size: int = 10
     ingest_batch: int = 500
     loop_interval_seconds: float = 0.5
 

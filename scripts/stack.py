@@ -56,9 +56,12 @@ class Stack:
         return proc
 
     def start_api(self) -> None:
+        # One process per core: a request is mostly Python work, so a single event loop tops out at one
+        # core; the processes share the port and nothing else (each has its own pool and feeds).
+        workers = self.env.get("FT_API_WORKERS") or str(os.cpu_count() or 1)
         self._start("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host",
                             self.env.get("FT_HOST", "127.0.0.1"), "--port", self.env.get("FT_PORT", "8000"),
-                            "--log-level", "warning"])
+                            "--workers", workers, "--log-level", "warning", "--no-access-log"])
 
     def start_controlplane(self) -> None:
         self._start("controlplane", [sys.executable, "-m", "api.controlplane"])

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import StringConstraints
 
-from api import streaming
+from api import feeds, reads
 from api.deps import RedisDep, SessionDep, SettingsDep, bearer
 from api.errors import invalid, responses
 from api.guards import StrictJSONRoute
@@ -21,6 +21,14 @@ from trainer.dsconfig import FieldError
 COMMON = (401, 413, 422, 503)
 router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=StrictJSONRoute, dependencies=[Depends(bearer)],
                    responses=responses(*COMMON))
+
+
+
+class JSONBytes(Response):
+    """A body that is JSON already (built by Postgres): sent as it is, with no serialisation pass."""
+
+    media_type = "application/json"
+
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # job_events.seq is a Postgres INTEGER: a larger cursor can match nothing, and Postgres refuses to compare it.
@@ -39,18 +47,17 @@ def create_job(spec: JobCreate, session: SessionDep, client: RedisDep, settings:
 
 
 @router.get("", response_model=JobList)
-def list_jobs(session: SessionDep, status: Annotated[JobStatus | None, Query()] = None,
-              limit: Annotated[int, Query(ge=1, le=200)] = 20,
-              after: Annotated[str | None, Query(pattern=ID_PATTERN,
-                                                 description="The last id of the previous page")] = None,
-              ) -> dict[str, Any]:
-    rows, has_more = service.list_jobs(session=session, status=status, limit=limit, after=after)
-    return {"data": [service.to_public(j) for j in rows], "has_more": has_more}
+async def list_jobs(status: Annotated[JobStatus | None, Query()] = None,
+                    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+                    after: Annotated[str | None, Query(pattern=ID_PATTERN,
+                                                       description="The last id of the previous page")] = None,
+                    ) -> Response:
+    return JSONBytes(await reads.jobs_page(status=status, limit=limit, after=after))
 
 
 @router.get("/{job_id}", response_model=Job, responses=responses(404))
-def get_job(job_id: JobId, session: SessionDep) -> dict[str, Any]:
-    return service.to_public(service.get(session=session, job_id=job_id))
+async def get_job(job_id: JobId) -> Response:
+    return JSONBytes(await reads.job(job_id))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409))
@@ -62,27 +69,25 @@ def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> dict[str
             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                              "description": "A page of events, or with `Accept: text/event-stream` a live stream"},
                        **responses(404)})
-def job_events(request: Request, job_id: JobId, session: SessionDep, after: Cursor = 0,
-               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-               type: Annotated[list[EventType] | None, Query(max_length=20,
-                                                             description="Only these event types")] = None,
-               last_event_id: Annotated[str | None, Header(
-                   alias="Last-Event-ID", pattern=r"^[0-9]{0,10}$",
-                   description="SSE resume point (an event id; empty: none); wins over `after`")] = None,
-               ) -> Any:
+async def job_events(request: Request, job_id: JobId, after: Cursor = 0,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                     type: Annotated[list[EventType] | None, Query(max_length=20,
+                                                                   description="Only these event types")] = None,
+                     last_event_id: Annotated[str | None, Header(
+                         alias="Last-Event-ID", pattern=r"^[0-9]{0,10}$",
+                         description="SSE resume point (an event id; empty: none); wins over `after`")] = None,
+                     ) -> Response:
     """A JSON page after a cursor, or with `Accept: text/event-stream` a live SSE stream."""
-    service.get(session=session, job_id=job_id)
     if last_event_id:
         if int(last_event_id) > MAX_SEQ:
             raise invalid([FieldError("Last-Event-ID", f"must be an event id from 0 to {MAX_SEQ}")])
         after = int(last_event_id)
     if "text/event-stream" in request.headers.get("accept", ""):
-        session.close()  # a stream may last hours: it must not hold a pooled connection all that time
-        return StreamingResponse(streaming.follow(job_id, after, type, streaming.sse),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    rows = events.page(session, job_id, after=after, limit=limit + 1, types=type)
-    data = [events.public(r) for r in rows[:limit]]
-    return {"data": data, "has_more": len(rows) > limit, "next_after": data[-1]["id"] if data else after}
+        if not await reads.exists(job_id):
+            raise reads.not_found(job_id)
+        return StreamingResponse(feeds.follow(job_id, after, type, feeds.sse), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return JSONBytes(await reads.events_page(job_id, after=after, limit=limit, types=type))
 
 
 # response_class=Response (no media type of its own) keeps the error responses documented as JSON, which
@@ -96,7 +101,7 @@ def job_logs(job_id: JobId, session: SessionDep, follow: bool = False, after: Cu
     service.get(session=session, job_id=job_id)
     if follow:
         session.close()  # as for the event stream: no pooled connection held while following
-        return StreamingResponse(streaming.follow(job_id, after, ["log"], streaming.log_line),
+        return StreamingResponse(feeds.follow(job_id, after, ["log"], feeds.log_line),
                                  media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)
     lines: list[str] = []
     while True:

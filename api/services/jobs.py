@@ -14,11 +14,11 @@ from sqlalchemy.orm import Session
 
 from api.dispatch import dispatch, run_spec
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import STATUSES, TERMINAL, Job
+from api.models import TERMINAL, Job
 from api.services import events
 from api.services.paths import check_locations
 from api.settings import ApiSettings
-from trainer.dsconfig import FieldError, ResolveLimits, resolve
+from trainer.dsconfig import ResolveLimits, resolve
 from trainer.spec import JobSpec
 from worker.keys import cancel_key
 
@@ -91,21 +91,6 @@ def get(*, session: Session, job_id: str, lock: bool = False) -> Job:
     if job is None:
         raise ApiError(404, ErrorCode.NOT_FOUND, f"no job with id {job_id!r}", "id")
     return job
-
-
-def list_jobs(*, session: Session, status: str | None, limit: int, after: str | None) -> tuple[list[Job], bool]:
-    q = select(Job)
-    if status is not None:
-        if status not in STATUSES:
-            raise invalid([FieldError("status", f"{status!r} is not a status; accepted: {', '.join(STATUSES)}")])
-        q = q.where(Job.status == status)
-    if after is not None:
-        cursor = session.scalar(select(Job.seq).where(Job.id == after))
-        if cursor is None:
-            raise invalid([FieldError("after", f"{after!r} is not a job id; pass the last id of the previous page")])
-        q = q.where(Job.seq < cursor)
-    rows = list(session.scalars(q.order_by(Job.seq.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
 
 
 def cancel(*, session: Session, client: redis.Redis, job_id: str) -> Job:

@@ -1,0 +1,198 @@
+"""Live followers of a job, fanned out in memory: one reader per job and process, any number of followers.
+
+A `Feed` polls the job's durable event log (the ordered copy the ingester writes) and keeps the newest
+events in a bounded buffer; every follower of the job reads that buffer at its own pace with its own
+cursor, so followers cost no database connection while they wait and the database sees O(jobs) queries,
+not O(followers). A follower that starts before the buffer, or falls behind it, catches up with paged
+queries of its own and then joins. A follower that is slow only delays itself; one that disconnects is
+cancelled by the server. Resuming after `Last-Event-ID` is exact: the cursor is the event's sequence
+number, and a follower sends each sequence number once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from api import pg, reads
+from api.errors import ApiError
+from api.models import TERMINAL
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1
+BATCH = 500
+BUFFER = 4096  # events kept per job; an older cursor is served from the database
+KEEPALIVE_SECONDS = 15.0
+IDLE_SECONDS = 5.0  # a feed without followers stops after this
+# While Postgres is unreachable, readers wait and retry, backing off up to RETRY_MAX_SECONDS, for as long
+# as the follower stays: a cleanly ended stream would tell it the job has ended.
+RETRY_FIRST_SECONDS = 0.5
+RETRY_MAX_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    type: str
+    attempt: int
+    json: str
+    rank: str | None
+    line: str | None
+
+
+def _event(row: tuple) -> Event:
+    return Event(row[0], row[1], row[2], row[3], row[4], row[5])
+
+
+class Feed:
+    """The live tail of one job's events in this process."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.buffer: deque[Event] = deque(maxlen=BUFFER)
+        self.last_seq: int | None = None  # the newest sequence number read; None until the first read
+        self.ended = False  # the job had ended before the last read, which found nothing new
+        self.followers = 0
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"feed {self.job_id}")
+
+    def since(self, after: int) -> list[Event] | None:
+        """Buffered events after `after`, or None when the buffer no longer reaches back that far."""
+        if self.last_seq is None:
+            return None
+        if after >= self.last_seq:
+            return []
+        if not self.buffer or self.buffer[0].seq > after + 1:
+            return None
+        start = after + 1 - self.buffer[0].seq  # sequence numbers are gap-free per job
+        return list(self.buffer)[start:] if start > 0 else list(self.buffer)
+
+    async def changed(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _announce(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _run(self) -> None:
+        delay = RETRY_FIRST_SECONDS
+        idle_since: float | None = None
+        while True:
+            if self.followers == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > IDLE_SECONDS:
+                    _FEEDS.pop(self.job_id, None)
+                    return
+            else:
+                idle_since = None
+            try:
+                got = await self._poll()
+            except pg.UNREACHABLE as exc:
+                log.warning("Postgres unreachable while following job %s (%s); retrying", self.job_id,
+                            type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+                continue
+            delay = RETRY_FIRST_SECONDS
+            if got < BATCH:
+                await asyncio.sleep(POLL_SECONDS)
+
+    async def _poll(self) -> int:
+        db = await pg.pool()
+        if self.last_seq is None:
+            newest = await db.fetchval("SELECT coalesce(max(seq), 0) FROM job_events WHERE job_id = $1",
+                                       self.job_id)
+            start = max(0, newest - BUFFER)
+        else:
+            start = self.last_seq
+        # The status first: if the job had ended before the events were read, no event can follow them.
+        status = await db.fetchval("SELECT status FROM jobs WHERE id = $1", self.job_id)
+        rows = await db.fetch(
+            f"SELECT seq, type, attempt, {reads.EVENT_JSON}, data->>'rank', data->>'line' FROM job_events "
+            "WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3", self.job_id, start, BATCH)
+        self.buffer.extend(_event(r) for r in rows)
+        first_read = self.last_seq is None
+        self.last_seq = rows[-1][0] if rows else start
+        ended = (status is None or status in TERMINAL) and not rows
+        if rows or first_read or ended != self.ended:
+            self.ended = ended
+            self._announce()
+        return len(rows)
+
+
+_FEEDS: dict[str, Feed] = {}
+
+
+def feed_for(job_id: str) -> Feed:
+    feed = _FEEDS.get(job_id)
+    if feed is None:
+        feed = _FEEDS[job_id] = Feed(job_id)
+    feed.start()
+    return feed
+
+
+async def _catch_up(job_id: str, after: int, types: list[str] | None) -> list[Event]:
+    """One page from the database for a follower behind the buffer, waiting out an outage."""
+    delay = RETRY_FIRST_SECONDS
+    while True:
+        try:
+            return [_event(r) for r in await reads.events_after(job_id, after, BATCH, types)]
+        except ApiError as exc:
+            if exc.status != 503:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+
+async def follow(job_id: str, after: int, types: list[str] | None,
+                 render: Callable[[Event], str]) -> AsyncIterator[str]:
+    """Rendered events after `after` until the job has ended and every event was sent."""
+    wanted = set(types) if types else None
+    feed = feed_for(job_id)
+    feed.followers += 1
+    last_sent = time.monotonic()
+    try:
+        while True:
+            batch = feed.since(after) if feed.last_seq is not None else []
+            if batch is None:  # behind the buffer: a page from the database, then look again
+                batch = await _catch_up(job_id, after, types)
+                if not batch:  # nothing of the wanted types up to what the feed has read
+                    after = max(after, feed.last_seq or 0)
+                    continue
+            for event in batch:
+                after = event.seq
+                if wanted is None or event.type in wanted:
+                    yield render(event)
+                    last_sent = time.monotonic()
+            if batch:
+                continue
+            if feed.ended and feed.last_seq is not None and after >= feed.last_seq:
+                return
+            if render is sse and time.monotonic() - last_sent > KEEPALIVE_SECONDS:
+                yield ": keep-alive\n\n"  # an SSE comment: keeps proxies from closing an idle stream
+                last_sent = time.monotonic()
+            # Nothing awaited since since() looked, so no announcement can have been missed.
+            await feed.changed(KEEPALIVE_SECONDS)
+    finally:
+        feed.followers -= 1
+
+
+def sse(event: Event) -> str:
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {event.json}\n\n"
+
+
+def log_line(event: Event) -> str:
+    who = "launcher" if event.rank is None else f"rank {event.rank}"
+    return f"[attempt {event.attempt}][{who}] {event.line or ''}\n"

@@ -1,0 +1,77 @@
+"""Many live followers of one job: every event to each, exactly once, in order; none holds a database
+connection while it waits; a follower that stops reading holds up nobody else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import psycopg
+
+from tests.helpers import events_of, wait_for, wait_status
+
+FOLLOWERS = 200
+
+
+async def follow(host: str, port: int, job_id: str, last_event_id: int | None = None) -> list[int]:
+    """A lean SSE client: the ids of the events it got until the server ended the stream."""
+    reader, writer = await asyncio.open_connection(host, port)
+    resume = f"Last-Event-ID: {last_event_id}\r\n" if last_event_id is not None else ""
+    writer.write(f"GET /jobs/{job_id}/events HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n{resume}"
+                 "Connection: close\r\n\r\n".encode())
+    await writer.drain()
+    status = await reader.readline()
+    assert b" 200 " in status, status
+    ids: list[int] = []
+    async for raw in reader:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("data: {"):
+            ids.append(json.loads(line[6:])["id"])
+    writer.close()
+    return ids
+
+
+def api_connections(database_url: str) -> int:
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        return int(conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                "AND application_name = 'ft-api'").fetchone()[0])
+
+
+def test_many_followers_each_get_every_event_once_without_holding_connections(
+        api: httpx.Client, make_job: Any, stack: Any, stack_env: dict[str, str]) -> None:
+    url = urlparse(stack.api_url)
+    job = api.post("/jobs", json=make_job(name="followed", hyperparameters={"max_steps": 24})).json()
+    # A follower that reads nothing: its socket buffers fill and its stream stalls; nobody else's may.
+    stuck = socket.create_connection((url.hostname, url.port))
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.sendall(f"GET /jobs/{job['id']}/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n".encode())
+
+    async def everyone() -> tuple[list[list[int]], int]:
+        tasks = [asyncio.create_task(follow(url.hostname, url.port, job["id"])) for _ in range(FOLLOWERS)]
+        await asyncio.sleep(3)  # all connected, the job starting or running
+        peak = await asyncio.to_thread(api_connections, stack_env["FT_DATABASE_URL"])
+        return await asyncio.wait_for(asyncio.gather(*tasks), 400), peak
+
+    started = time.monotonic()
+    seen, connections = asyncio.run(everyone())
+    elapsed = time.monotonic() - started
+    final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=30)
+    assert final["status"] == "succeeded", final["error"]
+    stored = [e["id"] for e in events_of(api, job["id"])]
+    assert all(ids == stored for ids in seen), (
+        f"{sum(ids != stored for ids in seen)} of {FOLLOWERS} followers did not get every event once, in order")
+    # Followers share the API's small pools; they do not take a connection each.
+    assert connections <= 2 * 10, f"{connections} database connections for {FOLLOWERS} followers"
+    assert elapsed < 300
+    stuck.close()
+
+    # A late follower resuming from the middle gets exactly the rest.
+    middle = stored[len(stored) // 2]
+    rest = asyncio.run(follow(url.hostname, url.port, job["id"], last_event_id=middle))
+    assert rest == [i for i in stored if i > middle]
+    wait_for(lambda: api.get("/healthz").status_code == 200, 5, "the API to stay healthy")
