@@ -15,4 +15,4 @@ COPY scripts scripts
 COPY alembic.ini ./
 RUN pip install .
 EXPOSE 8000
-CMD ["uvicorn", "api.main:app", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["sh", "-c", "exec uvicorn api.main:app --host 0.0.0.0 --port 8000 --no-access-log --workers ${FT_API_WORKERS:-$(nproc)}"]
