@@ -1,6 +1,7 @@
 """Redis names shared by the control plane and the workers: the one place they are spelled."""
 
 EVENTS_STREAM = "ft:events"
+RUN_JOB = "worker.run_job"  # the Celery task that runs one attempt (worker/tasks.py)
 INGEST_GROUP = "ingest"
 
 

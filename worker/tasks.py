@@ -7,9 +7,8 @@ from typing import Any
 from celery.worker import state
 
 from worker.celery_app import app, settings
+from worker.keys import RUN_JOB
 from worker.supervisor import supervise
-
-RUN_JOB = "worker.run_job"
 
 
 def _shutting_down() -> bool:

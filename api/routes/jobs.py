@@ -41,9 +41,8 @@ EventType = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
 
 
 @router.post("", status_code=201, response_model=Job)
-def create_job(spec: JobCreate, session: SessionDep, client: RedisDep, settings: SettingsDep) -> dict[str, Any]:
-    job = service.create(session=session, client=client, settings=settings, spec=spec)
-    return service.to_public(job)
+async def create_job(spec: JobCreate, client: RedisDep, settings: SettingsDep) -> Response:
+    return JSONBytes(await service.create(client=client, settings=settings, spec=spec), status_code=201)
 
 
 @router.get("", response_model=JobList)

@@ -1,22 +1,25 @@
-"""Job store operations: create, list, get, cancel. Routes call these and nothing else."""
+"""Job writes: submit and cancel (and the enqueue the reaper shares). Routes call these and nothing else."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from datetime import datetime, timezone
-from pathlib import Path
+from functools import partial
 from typing import Any
 
+import anyio
+import orjson
 import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api import pg, reads
 from api.dispatch import dispatch, run_spec
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, Job
 from api.services import events
-from api.services.paths import check_locations
+from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
 from trainer.dsconfig import ResolveLimits, resolve
 from trainer.spec import JobSpec
@@ -51,8 +54,23 @@ def _patch_nvme(ds_config: dict[str, Any], nvme_path: str | None) -> None:
             block["nvme_path"] = nvme_path
 
 
-def create(*, session: Session, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -> Job:
-    """Validate and resolve, commit the row, then enqueue: the row exists before any worker can see it."""
+# The row and its first event in one statement: both or neither, in one round trip.
+INSERT_JOB = f"""
+WITH job AS (
+    INSERT INTO jobs (id, name, status, attempt, queue, request, resolved, job_dir, progress, checkpoints,
+                      metadata, event_seq, created_at, updated_at)
+    VALUES ($1, $2, 'queued', 1, $3, $4::jsonb, $5::jsonb, $6, $7::jsonb, '[]'::jsonb, $8::jsonb, 1, now(), now())
+    RETURNING *
+), first_event AS (
+    INSERT INTO job_events (job_id, seq, attempt, type, data, created_at)
+    SELECT id, 1, 1, 'state', '{{"status": "queued"}}'::jsonb, now() FROM job
+)
+SELECT {reads.JOB_JSON} FROM job"""
+
+
+async def create(*, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -> bytes:
+    """Validate and resolve, commit the row, then enqueue: the row exists before any worker can see it.
+    Returns the new job as the JSON the API answers with."""
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
@@ -60,17 +78,24 @@ def create(*, session: Session, client: redis.Redis, settings: ApiSettings, spec
         raise invalid(errors)
     _patch_nvme(resolved.deepspeed_config, resolved.spec.deepspeed.nvme_path)
     job_id = new_id()
-    job_dir = str(Path(settings.artifacts_root).resolve() / "jobs" / job_id)
-    job = Job(id=job_id, name=spec.name, status="queued", attempt=1, queue=spec.resources.queue,
-              request=request, resolved=resolved.model_dump(mode="json"), job_dir=job_dir,
-              progress={"step": 0, "total_steps": spec.hyperparameters.max_steps}, checkpoints=[],
-              job_metadata=spec.metadata, event_seq=0)
-    session.add(job)
-    session.flush()
-    events.append(session, job, "state", {"status": "queued"})
-    session.commit()
-    send(session=session, client=client, job=job)
-    return job
+    job_dir = str(root_path(settings.artifacts_root) / "jobs" / job_id)
+    resolved_json = resolved.model_dump(mode="json")
+    body = await pg.fetchval(
+        INSERT_JOB, job_id, spec.name, spec.resources.queue, orjson.dumps(request).decode(),
+        orjson.dumps(resolved_json).decode(), job_dir,
+        orjson.dumps({"step": 0, "total_steps": spec.hyperparameters.max_steps}).decode(),
+        orjson.dumps(spec.metadata).decode())
+    try:
+        # Celery's client is synchronous: it runs beside the event loop, not on it.
+        await anyio.to_thread.run_sync(partial(
+            dispatch, client, job_id=job_id, attempt=1, job_dir=job_dir, run=run_spec(job_dir, resolved_json),
+            queue=spec.resources.queue))
+    except Exception:
+        log.exception("could not enqueue job %s; the reaper will retry", job_id)
+        return body.encode()
+    await pg.fetchval("UPDATE jobs SET dispatched_at = now() WHERE id = $1 AND status = 'queued' "
+                      "AND attempt = 1 AND dispatched_at IS NULL", job_id)
+    return body.encode()
 
 
 def send(*, session: Session, client: redis.Redis, job: Job) -> None:

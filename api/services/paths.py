@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from api.settings import ApiSettings
@@ -10,6 +11,12 @@ from trainer.dsconfig import FieldError
 from trainer.spec import JobSpec
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+@lru_cache(maxsize=32)
+def root_path(root: str) -> Path:
+    """A configured root, resolved once per process (the settings do not change while it runs)."""
+    return Path(root).resolve()
 
 
 def _under(root: Path, candidate: str) -> Path | None:
@@ -32,7 +39,7 @@ def _exists(path: Path, *, directory: bool) -> bool:
 
 
 def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -> str | None:
-    root = Path(root_s).resolve()
+    root = root_path(root_s)
     full = _under(root, value)
     if full is None:
         errors.append(FieldError(field, f"{value!r} is outside the data root {root}; give a path under it"))
@@ -46,7 +53,7 @@ def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -
 def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
     """Rewrites spec's model and data locations in place to absolute paths; returns what is wrong."""
     errors: list[FieldError] = []
-    model_root = Path(settings.model_root).resolve()
+    model_root = root_path(settings.model_root)
     name = spec.model.name_or_path
     local = _under(model_root, name)
     if local is not None and _exists(local, directory=True):
@@ -79,7 +86,7 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
             data.validation = val
     ds = spec.deepspeed
     if ds.nvme_path is not None:
-        full = _under(Path(settings.nvme_root).resolve(), ds.nvme_path)
+        full = _under(root_path(settings.nvme_root), ds.nvme_path)
         if full is None:
             errors.append(FieldError("deepspeed.nvme_path",
                                      f"{ds.nvme_path!r} is outside the NVMe root {settings.nvme_root}"))
