@@ -45,7 +45,7 @@ class Event:
     line: str | None
 
 
-def _event(row: tuple) -> Event:
+def event_of(row: tuple) -> Event:
     return Event(row[0], row[1], row[2], row[3], row[4], row[5])
 
 
@@ -122,7 +122,7 @@ class Feed:
         rows = await db.fetch(
             f"SELECT seq, type, attempt, {reads.EVENT_JSON}, data->>'rank', data->>'line' FROM job_events "
             "WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3", self.job_id, start, BATCH)
-        self.buffer.extend(_event(r) for r in rows)
+        self.buffer.extend(event_of(r) for r in rows)
         first_read = self.last_seq is None
         self.last_seq = rows[-1][0] if rows else start
         ended = (status is None or status in TERMINAL) and not rows
@@ -148,7 +148,7 @@ async def _catch_up(job_id: str, after: int, types: list[str] | None) -> list[Ev
     delay = RETRY_FIRST_SECONDS
     while True:
         try:
-            return [_event(r) for r in await reads.events_after(job_id, after, BATCH, types)]
+            return [event_of(r) for r in await reads.events_after(job_id, after, BATCH, types)]
         except ApiError as exc:
             if exc.status != 503:
                 raise

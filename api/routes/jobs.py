@@ -13,7 +13,6 @@ from api.deps import RedisDep, SessionDep, SettingsDep, bearer
 from api.errors import invalid, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
-from api.services import events
 from api.services import jobs as service
 from trainer.dsconfig import FieldError
 
@@ -95,19 +94,18 @@ async def job_events(request: Request, job_id: JobId, after: Cursor = 0,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "The log as text; with `follow=true` streamed until the job ends"},
                        **responses(404)})
-def job_logs(job_id: JobId, session: SessionDep, follow: bool = False, after: Cursor = 0) -> Response:
+async def job_logs(job_id: JobId, follow: bool = False, after: Cursor = 0) -> Response:
     """Every rank's output as plain text; `follow=true` streams until the job ends (`curl -N`)."""
-    service.get(session=session, job_id=job_id)
+    if not await reads.exists(job_id):
+        raise reads.not_found(job_id)
     if follow:
-        session.close()  # as for the event stream: no pooled connection held while following
         return StreamingResponse(feeds.follow(job_id, after, ["log"], feeds.log_line),
                                  media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)
     lines: list[str] = []
     while True:
-        rows = events.page(session, job_id, after=after, limit=5000, types=["log"])
+        rows = await reads.events_after(job_id, after, 5000, ["log"])
         if not rows:
             break
-        lines += [events.log_text(r) for r in rows]
-        after = rows[-1].seq
-    return PlainTextResponse("\n".join(lines) + ("\n" if lines else ""))
-
+        lines += [feeds.log_line(feeds.event_of(r)) for r in rows]
+        after = rows[-1][0]
+    return PlainTextResponse("".join(lines))
