@@ -43,10 +43,12 @@ class Event:
     json: str
     rank: str | None
     line: str | None
+    frame: str  # the SSE frame, rendered once for every follower
 
 
 def event_of(row: tuple) -> Event:
-    return Event(row[0], row[1], row[2], row[3], row[4], row[5])
+    seq, kind, attempt, text, rank, line = row
+    return Event(seq, kind, attempt, text, rank, line, f"id: {seq}\nevent: {kind}\ndata: {text}\n\n")
 
 
 class Feed:
@@ -171,12 +173,14 @@ async def follow(job_id: str, after: int, types: list[str] | None,
                 if not batch:  # nothing of the wanted types up to what the feed has read
                     after = max(after, feed.last_seq or 0)
                     continue
-            for event in batch:
-                after = event.seq
-                if wanted is None or event.type in wanted:
-                    yield render(event)
-                    last_sent = time.monotonic()
             if batch:
+                # One write for what this follower is behind by (up to a page), not one per event.
+                batch = batch[:BATCH]
+                chunk = "".join(render(e) for e in batch if wanted is None or e.type in wanted)
+                after = batch[-1].seq
+                if chunk:
+                    yield chunk
+                    last_sent = time.monotonic()
                 continue
             if feed.ended and feed.last_seq is not None and after >= feed.last_seq:
                 return
@@ -190,7 +194,7 @@ async def follow(job_id: str, after: int, types: list[str] | None,
 
 
 def sse(event: Event) -> str:
-    return f"id: {event.seq}\nevent: {event.type}\ndata: {event.json}\n\n"
+    return event.frame
 
 
 def log_line(event: Event) -> str:
