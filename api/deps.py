@@ -1,4 +1,4 @@
-"""Dependencies as Annotated aliases: sessions, settings, Redis, the bearer scheme for the docs."""
+"""Dependencies as Annotated aliases: sessions, settings, Redis."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Annotated
 
 import redis
 from fastapi import Depends
-from fastapi.security import HTTPBearer
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
@@ -18,8 +17,6 @@ from api.settings import ApiSettings, get_settings
 
 log = logging.getLogger(__name__)
 
-# api.guards.BearerAuth checks the token before the body is read; this only puts the scheme in the schema.
-bearer = HTTPBearer(auto_error=False, description="FT_API_TOKEN, as 'Authorization: Bearer <token>'")
 
 
 def _session() -> Iterator[Session]:

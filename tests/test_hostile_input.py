@@ -519,3 +519,12 @@ def test_json_checks_cost_milliseconds_whatever_the_document() -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 0.1, f"{elapsed:.3f} s"
     assert [p is None for p in problems] == [False, False, False, False, True, True], problems
+
+
+def test_integers_beyond_64_bits_in_metadata_are_stored_as_given(client: httpx.Client) -> None:
+    """JSON has no integer limit and jsonb keeps any: a huge number in metadata is data, not a 500
+    (the schema fuzzer found this one)."""
+    r = client.post("/jobs", json=patched(metadata={"big": 2**70, "nested": {"neg": -(2**80)}}))
+    assert r.status_code == 201, r.text
+    assert r.json()["metadata"] == {"big": 2**70, "nested": {"neg": -(2**80)}}
+    assert client.get(f"/jobs/{r.json()['id']}").json()["metadata"]["big"] == 2**70

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import StringConstraints
 
 from api import feeds, reads
-from api.deps import RedisDep, SessionDep, SettingsDep, bearer
+from api.deps import RedisDep, SessionDep, SettingsDep
 from api.errors import invalid, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
@@ -18,7 +18,7 @@ from trainer.dsconfig import FieldError
 
 # Every route may answer these: the token is checked, the body measured and the stores reached for each.
 COMMON = (401, 413, 422, 503)
-router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=StrictJSONRoute, dependencies=[Depends(bearer)],
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=StrictJSONRoute,
                    responses=responses(*COMMON))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from datetime import datetime, timezone
@@ -68,6 +69,14 @@ WITH job AS (
 SELECT {reads.JOB_JSON} FROM job"""
 
 
+def to_json(value: Any) -> str:
+    """orjson where it can; the standard library for integers beyond 64 bits (JSON and jsonb allow them)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+
+
 async def create(*, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -> bytes:
     """Validate and resolve, commit the row, then enqueue: the row exists before any worker can see it.
     Returns the new job as the JSON the API answers with."""
@@ -81,10 +90,8 @@ async def create(*, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -
     job_dir = str(root_path(settings.artifacts_root) / "jobs" / job_id)
     resolved_json = resolved.model_dump(mode="json")
     body = await pg.fetchval(
-        INSERT_JOB, job_id, spec.name, spec.resources.queue, orjson.dumps(request).decode(),
-        orjson.dumps(resolved_json).decode(), job_dir,
-        orjson.dumps({"step": 0, "total_steps": spec.hyperparameters.max_steps}).decode(),
-        orjson.dumps(spec.metadata).decode())
+        INSERT_JOB, job_id, spec.name, spec.resources.queue, to_json(request), to_json(resolved_json), job_dir,
+        to_json({"step": 0, "total_steps": spec.hyperparameters.max_steps}), to_json(spec.metadata))
     try:
         # Celery's client is synchronous: it runs beside the event loop, not on it.
         await anyio.to_thread.run_sync(partial(
