@@ -42,8 +42,8 @@ async def exists(job_id: str) -> bool:
     return bool(await pg.fetchval("SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1)", job_id))
 
 
-async def jobs_page(*, status: str | None, limit: int, after: str | None) -> bytes:
-    """Newest first, `limit` rows after the job `after`: a keyset page on (status, seq) or seq."""
+async def jobs_page(*, status: str | None, queue: str | None, limit: int, after: str | None) -> bytes:
+    """Newest first, `limit` rows after the job `after`: a keyset page on (status, seq), (queue, seq) or seq."""
     where, args = [], []
     if after is not None:
         cursor = await pg.fetchval("SELECT seq FROM jobs WHERE id = $1", after)
@@ -51,9 +51,10 @@ async def jobs_page(*, status: str | None, limit: int, after: str | None) -> byt
             raise invalid([FieldError("after", f"{after!r} is not a job id; pass the last id of the previous page")])
         args.append(cursor)
         where.append(f"seq < ${len(args)}")
-    if status is not None:
-        args.append(status)
-        where.append(f"status = ${len(args)}")
+    for column, value in (("status", status), ("queue", queue)):
+        if value is not None:
+            args.append(value)
+            where.append(f"{column} = ${len(args)}")
     args.append(limit + 1)
     sql = (f"SELECT {SUMMARY_JSON} FROM jobs {'WHERE ' + ' AND '.join(where) if where else ''} "
            f"ORDER BY seq DESC LIMIT ${len(args)}")

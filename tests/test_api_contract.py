@@ -148,6 +148,17 @@ def test_paging_is_newest_first_with_a_cursor_and_a_status_filter(api: httpx.Cli
     assert second["data"][0]["id"] == ids[0]
     assert_error(api.get("/jobs", params={"status": "sleeping"}), 422, "status", "accepted")
     assert_error(api.get("/jobs", params={"after": "job_nope"}), 422, "after")
+    # Lists are summaries: the request and its resolution are read one job at a time.
+    assert "resolved" not in first["data"][0] and "request" not in first["data"][0]
+    assert "resolved" in api.get(f"/jobs/{ids[0]}").json()
+    # The queue filter pages the same way, on its own index.
+    other = [api.post("/jobs", json=make_job(name=f"q-{i}", resources={**PARKED, "queue": "parked-other"})).json()["id"]
+             for i in range(3)]
+    by_queue = api.get("/jobs", params={"queue": "parked-other", "limit": 2}).json()
+    assert [j["id"] for j in by_queue["data"]] == other[::-1][:2] and by_queue["has_more"]
+    rest = api.get("/jobs", params={"queue": "parked-other", "limit": 2, "after": other[1]}).json()
+    assert [j["id"] for j in rest["data"]] == [other[0]] and not rest["has_more"]
+    assert_error(api.get("/jobs", params={"queue": "no spaces"}), 422, "queue")
     for job_id in ids:
         r = api.post(f"/jobs/{job_id}/cancel")
         assert r.status_code == 202 and r.json()["status"] == "cancelled"

@@ -46,11 +46,12 @@ async def create_job(spec: JobCreate, client: RedisDep, settings: SettingsDep) -
 
 @router.get("", response_model=JobList)
 async def list_jobs(status: Annotated[JobStatus | None, Query()] = None,
+                    queue: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None,
                     limit: Annotated[int, Query(ge=1, le=200)] = 20,
                     after: Annotated[str | None, Query(pattern=ID_PATTERN,
                                                        description="The last id of the previous page")] = None,
                     ) -> Response:
-    return JSONBytes(await reads.jobs_page(status=status, limit=limit, after=after))
+    return JSONBytes(await reads.jobs_page(status=status, queue=queue, limit=limit, after=after))
 
 
 @router.get("/{job_id}", response_model=Job, responses=responses(404))
