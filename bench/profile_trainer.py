@@ -86,7 +86,8 @@ def main() -> None:
     busy = 0.0
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", 0.0) or 0.0
-        if t and ev.device_type == torch.autograd.DeviceType.CUDA:
+        # ProfilerStep* spans whole steps on the GPU timeline too: a range, not a kernel.
+        if t and ev.device_type == torch.autograd.DeviceType.CUDA and not ev.key.startswith("ProfilerStep"):
             by_kind[kind_of(ev.key)] += t
             busy += t
     wall_ms = (marks["end"] - marks["start"]) * 1e3 / a.active if {"start", "end"} <= marks.keys() else None
