@@ -201,7 +201,9 @@ class DeepSpeedOptions(_Strict):
                                    description="Directory under the NVMe root for offload")
     activation_checkpointing: bool = False
     compile: Literal["auto", "on", "off"] = Field(
-        default="auto", description="torch.compile each transformer block; auto: on CUDA without LoRA")
+        default="auto", description="torch.compile: for Llama-family models the RMSNorm, rotary and SwiGLU math where "
+                                    "Liger's kernels do not already fuse it, for other models each transformer block "
+                                    "(under ZeRO-3 only when on); auto: on CUDA without LoRA")
     config: RawConfig | None = Field(
         default=None,
         description=f"A raw DeepSpeed config, checked field by field and merged; at most {RAW_CONFIG_MAX_BYTES} "
