@@ -107,6 +107,11 @@ class Feed:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
                 continue
+            except Exception:  # a feed that died would leave its followers waiting for ever
+                log.exception("reading job %s's events failed; retrying", self.job_id)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+                continue
             delay = RETRY_FIRST_SECONDS
             if got < BATCH:
                 await asyncio.sleep(POLL_SECONDS)
