@@ -113,7 +113,7 @@ BOOL = Kind("bool")
 SIZE = Kind("size")
 DTYPE = Kind("str", choices=("fp16", "bf16", "fp32"))
 PASSTHROUGH_KINDS: dict[str, Kind] = {
-    "steps_per_print": Kind("int", 1), "wall_clock_breakdown": BOOL, "prescale_gradients": BOOL,
+    "steps_per_print": Kind("size", 1), "wall_clock_breakdown": BOOL, "prescale_gradients": BOOL,
     "gradient_predivide_factor": Kind("number", 0, 1e6), "zero_allow_untested_optimizer": BOOL,
     "communication_data_type": DTYPE, "seq_parallel_communication_data_type": DTYPE,
     "zero_force_ds_cpu_optimizer": BOOL, "memory_breakdown": BOOL, "dump_state": BOOL, "disable_allgather": BOOL,
@@ -748,17 +748,19 @@ class _Merger:
             hp.min_lr_ratio = float(defaults["cos_min_ratio"])
         if _is_auto(params.get("warmup_num_steps")) and not _explicit(hp, "warmup_steps"):
             self.notes.append(f'scheduler.params.warmup_num_steps is "auto": the job\'s {hp.warmup_steps} applies.')
-        shape = {"constant": "then holds it", "linear": "then decays linearly",
-                 "cosine": "then decays along a cosine"}[hp.lr_schedule]
+        n = hp.warmup_steps
+        warm = f"a linear warm-up over {n} steps from lr/{n} at the first step" if n else "no warm-up"
+        shape = {"constant": "then holds lr", "linear": f"then decays linearly to {hp.min_lr_ratio} × lr",
+                 "cosine": f"then decays along a cosine to {hp.min_lr_ratio} × lr"}[hp.lr_schedule]
         start = "warmup_min_ratio" if kind == "WarmupCosineLR" else "warmup_min_lr"
+        start_value = params.get(start, defaults[start])
         warmup_type = params.get("warmup_type", defaults["warmup_type"])
         if _is_auto(warmup_type):
             warmup_type = defaults["warmup_type"]
         self.notes.append(
-            f"scheduler {kind} is run by the trainer: a linear warm-up over {hp.warmup_steps} steps from "
-            f"lr/{max(1, hp.warmup_steps)} to lr, {shape} to {hp.min_lr_ratio} × lr over the job's steps, where "
-            f"{DS} would warm up {'logarithmically' if warmup_type == 'log' else 'linearly'} from "
-            f"{start} {params.get(start, defaults[start])} (warmup_type {warmup_type!r}).")
+            f"scheduler {kind} is run by the trainer: {warm}, {shape} over the job's steps; {DS}'s {kind} would "
+            f"warm up {'logarithmically' if warmup_type == 'log' else 'linearly'} from {start} "
+            f"{defaults[start] if _is_auto(start_value) else start_value} at step 0.")
         if "total_num_steps" in params:
             self.notes.append("scheduler.params.total_num_steps is not used: the schedule spans the job's total "
                               "steps.")
