@@ -382,3 +382,177 @@ def test_raw_batch_fields_above_the_bound_are_refused_with_it() -> None:
             resolve(_job({key: MAX_BATCH + 1}))
         err = info.value.errors[0]
         assert err.field == f"deepspeed.config.{key}" and f"from 1 to {MAX_BATCH}" in err.message
+
+
+# -- DeepSpeed's own knowledge: the table, aliases, deprecated names, unrun features, notes --
+
+
+def test_field_table_matches_the_installed_deepspeed() -> None:
+    # The API reads the checked-in table; rebuilding it from DeepSpeed's models must give the same table, so an
+    # upgrade of DeepSpeed fails here until `python -m trainer.dsfields_gen` is run and the policies reviewed.
+    from trainer import dsfields
+    from trainer.dsfields_gen import build, render_table
+
+    assert render_table(build()) == dsfields.TABLE_PATH.read_text()
+
+
+def test_every_top_level_key_deepspeed_reads_has_a_policy() -> None:
+    from trainer import dsconfig, dsfields
+
+    policies = (set(dsconfig.DANGEROUS_KEYS) | set(dsconfig.UNRUN_TOP) | dsconfig.MERGED_TOP
+                | set(dsconfig.PASSTHROUGH_KINDS) | dsconfig.PASSTHROUGH_SECTIONS | set(dsconfig.IGNORED_TOP)
+                | set(dsfields.table()["top_level_aliases"]))
+    assert dsfields.top_level_keys() - policies == set()
+
+
+def test_the_api_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, trainer.dsconfig; assert not {'torch', 'deepspeed'} & set(sys.modules), 'imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def _notes(config: dict[str, Any], **sections: Any) -> list[str]:
+    return resolve(_job(config, **sections)).notes
+
+
+ACCEPTED_NAMES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # the pasted config -> what the rendered config must hold (one canonical name each)
+    "bfloat16 is bf16": ({"bfloat16": {"enabled": True}}, {"bf16": {"enabled": True}}),
+    "unprefixed ZeRO-3 names": (
+        {"zero_optimization": {"stage": 3, "max_live_parameters": 1e9, "max_reuse_distance": 5e8}},
+        {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 5e8}}),
+    "deprecated fp16 weights on save": (
+        {"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
+        {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}),
+    "unprefixed 16-bit weights on save": (
+        {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}},
+        {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}),
+    "deprecated cpu_offload": (
+        {"zero_optimization": {"stage": 2, "cpu_offload": True}},
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}),
+    "zero_force_ds_cpu_optimizer": ({"zero_force_ds_cpu_optimizer": False}, {"zero_force_ds_cpu_optimizer": False}),
+    "comments and names DeepSpeed ignores": (
+        {"_comment": "from a blog post", "comms_config": {"verbose": False}, "monitor_config": {"enabled": True}},
+        {}),
+    "disabled monitors": ({"wandb": {"enabled": False}, "tensorboard": {"enabled": False, "output_path": "x"}}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED_NAMES))
+def test_names_deepspeed_accepts_are_merged_under_one_name(case: str) -> None:
+    config, expected = ACCEPTED_NAMES[case]
+    cfg = resolve(_job(config)).deepspeed_config
+    for key, value in expected.items():
+        assert cfg[key] == value, (key, cfg[key])
+    for key in ("_comment", "comms_config", "monitor_config", "bfloat16", "wandb", "tensorboard"):
+        assert key not in cfg
+    zero = cfg["zero_optimization"]
+    for alias in ("max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                  "stage3_gather_fp16_weights_on_model_save", "cpu_offload"):
+        assert alias not in zero
+    _deepspeed_accepts(cfg)
+
+
+def test_ignored_names_are_said_in_the_notes() -> None:
+    notes = _notes({"comms_config": {"verbose": False}, "bfloat16": {"enabled": True}})
+    assert any(n.startswith("comms_config is not rendered") for n in notes), notes
+    assert any("bfloat16 is DeepSpeed" in n and "rendered as bf16" in n for n in notes), notes
+
+
+REFUSED_FOR_A_REASON: dict[str, tuple[dict[str, Any], str, str, str]] = {
+    # config -> (field, kind, words of the reason)
+    "two names of one field": (
+        {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True,
+                               "stage3_gather_16bit_weights_on_model_save": True}},
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save", "conflict", "two names of one field"),
+    "deprecated name with its replacement": (
+        {"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                               "stage3_gather_16bit_weights_on_model_save": True}},
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save", "conflict", "two names of one field"),
+    "fractional min_loss_scale": (
+        {"fp16": {"enabled": True, "min_loss_scale": 1e-10}}, "fp16.min_loss_scale", "value", "must be an integer"),
+    "compile": ({"compile": {"deepcompile": True}}, "compile", "unrun", "which this service does not run"),
+    "tensor parallelism": ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel", "unrun",
+                           "tensor parallelism, which this service does not run"),
+    "removed by DeepSpeed": ({"elasticity": {"enabled": True}}, "elasticity", "removed", "refuses it"),
+    "unknown, with the closest name": ({"gradient_cliping": 1.0}, "gradient_cliping", "unknown",
+                                       "did you mean 'gradient_clipping'"),
+    "unknown ZeRO key, with the closest name": (
+        {"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization.overlap_com", "unknown",
+        "did you mean 'overlap_comm'"),
+    "Lamb": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type", "unrun", "does not run"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_FOR_A_REASON))
+def test_refusals_give_the_true_reason(case: str) -> None:
+    config, field, kind, words = REFUSED_FOR_A_REASON[case]
+    with pytest.raises(SpecError) as info:
+        resolve(_job(config))
+    (error,) = info.value.errors
+    assert (error.field, error.kind) == (f"deepspeed.config.{field}", kind) and words in error.message, error
+
+
+def test_deepspeed_refuses_what_the_service_refuses_as_deepspeed_would() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for case in ("two names of one field", "deprecated name with its replacement", "fractional min_loss_scale"):
+        config = {"train_batch_size": 1, **REFUSED_FOR_A_REASON[case][0]}
+        with pytest.raises(Exception):  # noqa: B017 - DeepSpeed raises pydantic's and its own assertion errors
+            DeepSpeedConfig(copy.deepcopy(config))
+
+
+def test_unset_fields_take_deepspeeds_defaults_and_job_choices_are_noted() -> None:
+    # Only a micro batch: DeepSpeed derives the global batch as micro × processes, with no accumulation.
+    resolved = resolve(_job({"train_micro_batch_size_per_gpu": 4}, num_gpus=2))
+    assert _triple(resolved.deepspeed_config) == (8, 4, 1)
+    # No fp16/bf16 block enabled: DeepSpeed trains in fp32, and so does the job.
+    assert resolved.spec.deepspeed.precision == "fp32" and "bf16" not in resolved.deepspeed_config
+    assert any("neither fp16 nor bf16" in n for n in resolved.notes)
+    # No ZeRO block: DeepSpeed's stage 0.
+    assert resolved.deepspeed_config["zero_optimization"] == {"stage": 0}
+    # The job's own choices for what DeepSpeed would leave to the client: optimizer and schedule.
+    assert any(n.startswith("optimizer is unset") for n in resolved.notes)
+    assert any(n.startswith("scheduler is unset") for n in resolved.notes)
+    # fp16 "auto" takes the job's precision, and says so.
+    assert any('fp16.enabled "auto": the job\'s precision bf16' in n for n in _notes({"fp16": {"enabled": "auto"}}))
+    # An optimizer block without betas: DeepSpeed's Adam defaults, not the job's.
+    hp = resolve(_job({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}})).spec.hyperparameters
+    assert hp.adam_betas == (0.9, 0.999)
+    # The warm-up shape differs from DeepSpeed's WarmupLR: said in one sentence.
+    notes = _notes({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})
+    assert any("linear warm-up over 10 steps" in n and "logarithmically" in n for n in notes), notes
+    # With a raw config the render adds none of the service's own ZeRO tuning.
+    zero = resolve(_job({"zero_optimization": {"stage": 2}})).deepspeed_config["zero_optimization"]
+    assert zero == {"stage": 2}
+
+
+RENDERED_PROBLEMS: list[dict[str, Any]] = [
+    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+     "zero_optimization": {"stage": 3, "max_live_parameters": 1, "stage3_max_live_parameters": 1}},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+     "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+     "zero_optimization": {"stage": 1, "reduce_bucket_size": 0}},
+]
+
+
+@pytest.mark.parametrize("index", range(len(RENDERED_PROBLEMS)))
+def test_submit_time_check_refuses_what_deepspeeds_parser_refuses(index: int) -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from trainer.dsfields import check_rendered
+
+    cfg = RENDERED_PROBLEMS[index]
+    assert check_rendered(cfg, 1), cfg
+    with pytest.raises(Exception):  # noqa: B017 - DeepSpeed's assertion, value and validation errors alike
+        DeepSpeedConfig(copy.deepcopy(cfg))
+    fixed = {**cfg, "train_batch_size": 4, "zero_optimization": {"stage": 2}}
+    fixed.pop("fp16", None)
+    assert check_rendered(fixed, 1) == []
+    DeepSpeedConfig(copy.deepcopy(fixed))

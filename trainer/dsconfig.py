@@ -42,7 +42,7 @@ DANGEROUS_KEYS: dict[str, str] = {
 
 # DeepSpeed features the trainer does not run. A value equal to DeepSpeed's default turns nothing on and passes.
 UNRUN_TOP: dict[str, str] = {
-    "compile": "DeepCompile (the service compiles with deepspeed.compile)",
+    "compile": "DeepCompile (the job's own switch for torch.compile is the deepspeed.compile field)",
     "tensor_parallel": "automatic tensor parallelism",
     "pipeline": "pipeline parallelism",
     "hybrid_engine": "hybrid training/inference engine",
