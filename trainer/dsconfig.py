@@ -28,7 +28,7 @@ from trainer.spec import MAX_BATCH, MAX_STEPS, JobSpec, ResolvedJob
 AUTO = "auto"
 DS = f"DeepSpeed {dsfields.version()}"
 
-# Refused while enabled: each would make DeepSpeed write files, talk to a service or run an autotuner on the
+# Refused unless disabled: each would make DeepSpeed write files, talk to a service or run an autotuner on the
 # node. A block with "enabled": false does nothing in DeepSpeed, so it is accepted (and not rendered).
 DANGEROUS_KEYS: dict[str, str] = {
     "flops_profiler": "profiles the model and writes its report to the worker's log or output_file",
@@ -373,16 +373,13 @@ class _Merger:
         self._finish()
 
     def _dangerous(self, key: str, value: Any) -> None:
-        if dsfields.has_section(key):
-            default = dsfields.lookup(key, "enabled").default  # type: ignore[union-attr]
-            if _enabled(value, default):
-                self.err(key, f"is not accepted: it {DANGEROUS_KEYS[key]}", "dangerous")
-            else:
-                self.model_block(key, key, value, lambda f, where, v: self.knob(where, v, None, f))
-            return
-        default = dsfields.dict_section_keys(key).get("enabled", False)
-        if not isinstance(value, dict) or _enabled(value, default) or value.get("enabled", default) is not False:
-            self.err(key, f"is not accepted: it {DANGEROUS_KEYS[key]}", "dangerous")
+        # Only an explicit "enabled": false is taken: a block that names an output path or a project but leaves
+        # enabled unset was most likely meant to run.
+        if not isinstance(value, dict) or value.get("enabled") is not False:
+            self.err(key, f'is not accepted unless "enabled" is false: enabled, it {DANGEROUS_KEYS[key]}',
+                     "dangerous")
+        elif dsfields.has_section(key):
+            self.model_block(key, key, value, lambda f, where, v: self.knob(where, v, None, f))
 
     # -- batch and clipping --
 
@@ -432,7 +429,7 @@ class _Merger:
                 self.unknown(f"optimizer.{k}", k, known, "optimizer")
         kind = v.get("type", "AdamW")
         if not isinstance(kind, str):
-            self.err("optimizer.type", f"must be an optimizer name, got {_show(kind)}")
+            self.err("optimizer.type", f"must be an optimizer name such as \"AdamW\", got {_show(kind)}")
             return
         if kind.lower() not in OPTIMIZER_TYPES:
             self.err("optimizer.type", f"{kind!r} is an optimizer this service does not run; it trains with Adam or "
