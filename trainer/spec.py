@@ -206,7 +206,10 @@ class DeepSpeedOptions(_Strict):
                                     "(under ZeRO-3 only when on); auto: on CUDA without LoRA")
     config: RawConfig | None = Field(
         default=None,
-        description=f"A raw DeepSpeed config, checked field by field and merged; at most {RAW_CONFIG_MAX_BYTES} "
+        description=f"A raw DeepSpeed config, read as the pinned DeepSpeed reads it (its names, aliases, types and "
+                    "defaults) and merged; unrun features and fields that write files, open connections or import "
+                    "code are refused with the reason, and every difference from DeepSpeed's reading is in "
+                    f"resolved.notes; at most {RAW_CONFIG_MAX_BYTES} "
                     f"bytes of JSON, nested at most {RAW_CONFIG_MAX_DEPTH} levels, at most {RAW_CONFIG_MAX_KEYS} "
                     "keys per object")
 
