@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
+import anyio
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import StringConstraints
@@ -60,8 +61,10 @@ async def get_job(job_id: JobId) -> Response:
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409))
-def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> dict[str, Any]:
-    return service.to_public(service.cancel(session=session, client=client, job_id=job_id))
+def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> Response:
+    service.cancel(session=session, client=client, job_id=job_id)
+    # The same bytes a read gives (Postgres renders every job response, timestamps included).
+    return JSONBytes(anyio.from_thread.run(reads.job, job_id), status_code=202)
 
 
 @router.get("/{job_id}/events", response_model=EventPage,

@@ -38,16 +38,6 @@ def new_id() -> str:
     return "job_" + secrets.token_hex(10)
 
 
-def to_public(job: Job) -> dict[str, Any]:
-    return {
-        "id": job.id, "name": job.name, "status": job.status, "attempt": job.attempt, "queue": job.queue,
-        "progress": job.progress or {}, "error": job.error, "created_at": job.created_at,
-        "started_at": job.started_at, "finished_at": job.finished_at, "request": job.request,
-        "resolved": job.resolved, "checkpoints": job.checkpoints or [], "output": job.output,
-        "metadata": job.job_metadata or {},
-    }
-
-
 def _patch_nvme(ds_config: dict[str, Any], nvme_path: str | None) -> None:
     for key in ("offload_optimizer", "offload_param"):
         block = ds_config.get("zero_optimization", {}).get(key)
