@@ -16,6 +16,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -34,6 +35,8 @@ class Job(Base):
         # Keyset pages of the job list, newest first, filtered by status or queue.
         Index("ix_jobs_status_seq", "status", "seq"),
         Index("ix_jobs_queue_seq", "queue", "seq"),
+        Index("ix_jobs_undispatched", "updated_at",
+              postgresql_where=text("status = 'queued' AND dispatched_at IS NULL")),
     )
 
     # Internal order for "newest first" and cursors; the public id is opaque.
