@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from tests.helpers import events_of, job_processes
+from tests.outage_support import rank0_events
 
 ATTEMPT_IN_CMDLINE = re.compile(r"/attempts/(\d+)/")
 
@@ -41,19 +42,10 @@ class AttemptSampler(threading.Thread):
 
 
 def trainer_events_in_log(job_dir: Path, attempt: int) -> list[tuple[str, float]]:
-    """(type, ts) of each trainer event rank 0 printed in the attempt, in order."""
-    out = []
-    for path in sorted((job_dir / "attempts" / str(attempt) / "logs").glob("*_rank0.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and isinstance(obj.get("event"), str):
-                out.append((obj["event"], obj["ts"]))
-    return out
+    """(type, ts) of each trainer event rank 0 printed in the attempt, in order (none if it never launched)."""
+    if not any((job_dir / "attempts" / str(attempt) / "logs").glob("*_rank0.log")):
+        return []
+    return [(kind, data["ts"]) for kind, data in rank0_events(job_dir, attempt) if kind != "log"]
 
 
 def assert_history_exact(api: httpx.Client, job_id: str, job_dir: Path) -> list[dict[str, Any]]:
