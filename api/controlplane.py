@@ -1,4 +1,5 @@
-"""The control-plane loop: ingest events into Postgres, then reap lost workers, forever.
+"""The control-plane loop: ingest events into Postgres, then reap lost workers, forever; beside it the
+dispatcher thread sends queued jobs to the workers.
 
 Run one per deployment: `python -m api.controlplane`. It never exits on an outage: Redis or Postgres
 going away is logged and retried with a growing pause, and the next pass reconnects (both clients
@@ -15,6 +16,7 @@ import time
 import redis
 from sqlalchemy.exc import DBAPIError
 
+from api.dispatcher import Dispatcher
 from api.ingest import Ingester, first_line, transient
 from api.reaper import Reaper, RedisLossWatch
 from api.settings import get_settings
@@ -45,6 +47,7 @@ def main() -> None:
     watch = RedisLossWatch(watched)
     ingester = Ingester(client, batch=settings.ingest_batch)
     reaper = Reaper(client, settings)
+    dispatcher = Dispatcher(client, settings)
     stopping = False
 
     def stop(*_: object) -> None:
@@ -53,6 +56,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    dispatcher.start()
     log.info("control plane running")
     next_reap = 0.0
     pause = BACKOFF_FIRST_SECONDS
@@ -82,6 +86,7 @@ def main() -> None:
         if failing_since is not None:
             log.info("control plane recovered after %.1f s of failures", time.monotonic() - failing_since)
             failing_since, pause = None, BACKOFF_FIRST_SECONDS
+    dispatcher.stop()
     log.info("control plane stopped")
 
 

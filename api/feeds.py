@@ -1,9 +1,11 @@
 """Live followers of a job, fanned out in memory: one reader per job and process, any number of followers.
 
-A `Feed` polls the job's durable event log (the ordered copy the ingester writes) and keeps the newest
-events in a bounded buffer; every follower of the job reads that buffer at its own pace with its own
-cursor, so followers cost no database connection while they wait and the database sees O(jobs) queries,
-not O(followers). A follower that starts before the buffer, or falls behind it, catches up with paged
+A `Feed` reads the job's durable event log (the ordered copy the ingester writes) when the database
+notifies that the job gained events (`ft_events`, a trigger of migration 0003; quick polling stands in
+while the listening connection is down) and keeps the newest events in a bounded buffer; every
+follower of the job reads that buffer at its own pace with its own cursor, so followers cost no
+database connection while they wait and the database sees O(jobs) queries, not O(followers). A
+follower that starts before the buffer, or falls behind it, catches up with paged
 queries of its own and then joins. A follower that is slow only delays itself; one that disconnects is
 cancelled by the server. Resuming after `Last-Event-ID` is exact: the cursor is the event's sequence
 number, and a follower sends each sequence number once, in order.
@@ -24,7 +26,10 @@ from api.models import TERMINAL
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.1
+POLL_SECONDS = 0.1  # while notifications are not flowing
+# With them flowing a feed reads when notified; this look covers a notification lost in a reconnection.
+NOTIFIED_POLL_SECONDS = 2.0
+CHANNEL = "ft_events"
 BATCH = 500
 BUFFER = 4096  # events kept per job; an older cursor is served from the database
 KEEPALIVE_SECONDS = 15.0
@@ -61,7 +66,11 @@ class Feed:
         self.ended = False  # the job had ended before the last read, which found nothing new
         self.followers = 0
         self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -99,6 +108,8 @@ class Feed:
                     return
             else:
                 idle_since = None
+            # Cleared before the read: a notification that arrives during it makes the next wait return at once.
+            self._wake.clear()
             try:
                 got = await self._poll()
             except pg.UNREACHABLE as exc:
@@ -114,7 +125,10 @@ class Feed:
                 continue
             delay = RETRY_FIRST_SECONDS
             if got < BATCH:
-                await asyncio.sleep(POLL_SECONDS)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), NOTIFIED_POLL_SECONDS if pg.listening() else POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    pass
 
     async def _poll(self) -> int:
         db = await pg.pool()
@@ -140,9 +154,29 @@ class Feed:
 
 
 _FEEDS: dict[str, Feed] = {}
+_subscribed = False
+
+
+def _subscribe_once() -> None:
+    global _subscribed
+    if not _subscribed:
+        pg.subscribe(CHANNEL, _notified, on_connect=_wake_all)
+        _subscribed = True
+
+
+def _notified(job_id: str) -> None:
+    feed = _FEEDS.get(job_id)
+    if feed is not None:
+        feed.wake()
+
+
+def _wake_all() -> None:
+    for feed in list(_FEEDS.values()):
+        feed.wake()
 
 
 def feed_for(job_id: str) -> Feed:
+    _subscribe_once()
     feed = _FEEDS.get(job_id)
     if feed is None:
         feed = _FEEDS[job_id] = Feed(job_id)

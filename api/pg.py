@@ -3,11 +3,16 @@
 The hot reads run here, on the event loop, with the JSON built by Postgres itself: a read costs one
 round trip and no Python object per column. Writes (submit, cancel) keep the SQLAlchemy session and
 its transactions (api/services/jobs.py); the control plane never uses this pool.
+
+Beside the pool, one connection per process LISTENs for the database's notifications (`subscribe`):
+followers are woken when their job gains events instead of polling for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
@@ -20,6 +25,8 @@ from api.settings import get_settings
 UNREACHABLE: tuple[type[BaseException], ...] = (
     OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
     asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
+
+log = logging.getLogger(__name__)
 
 _pool: asyncpg.Pool | None = None
 _lock: asyncio.Lock | None = None
@@ -53,6 +60,7 @@ async def _keep_session(_: asyncpg.Connection) -> None:
 
 async def close() -> None:
     global _pool
+    await _listener.stop()
     if _pool is not None:
         await _pool.close()
         _pool = None
@@ -75,3 +83,100 @@ async def fetch(sql: str, *args: Any) -> list[asyncpg.Record]:
         return await (await pool()).fetch(sql, *args)
     except UNREACHABLE as exc:
         raise unavailable() from exc
+
+
+# How often the listening connection proves it is alive: a connection cut without a FIN (a dropped route)
+# would otherwise wait for notifications that never come.
+LISTEN_PING_SECONDS = 5.0
+
+
+class Listener:
+    """One LISTENing connection, re-opened after any loss, delivering each channel's payloads to callbacks.
+
+    `connected` says whether notifications are flowing: a caller that must not miss a change polls
+    quickly while it is False. After each (re)connection every `on_connect` callback runs, because what
+    was committed while nobody listened was notified to no one.
+    """
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list[Callable[[str], None]]] = {}
+        self.on_connect: list[Callable[[], None]] = []
+        self.connected = False
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def subscribe(self, channel: str, callback: Callable[[str], None],
+                  on_connect: Callable[[], None] | None = None) -> None:
+        """Call `callback(payload)` for each notification on `channel` (from the event loop's thread)."""
+        new_channel = channel not in self.callbacks
+        self.callbacks.setdefault(channel, []).append(callback)
+        if on_connect is not None:
+            self.on_connect.append(on_connect)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="pg listener")
+        elif new_channel and self._conn is not None and not self._conn.is_closed():
+            asyncio.get_running_loop().create_task(self._listen(self._conn, channel))
+
+    def _deliver(self, _conn: object, _pid: int, channel: str, payload: str) -> None:
+        for callback in self.callbacks.get(channel, ()):
+            try:
+                callback(payload)
+            except Exception:
+                log.exception("a %s notification handler failed", channel)
+
+    async def _listen(self, conn: asyncpg.Connection, channel: str) -> None:
+        await conn.add_listener(channel, self._deliver)
+
+    async def _run(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                conn = await asyncpg.connect(dsn(get_settings().database_url), timeout=5,
+                                             server_settings={"application_name": "ft-api-listen"})
+            except Exception as exc:
+                log.warning("cannot LISTEN (%s); followers poll meanwhile; retrying in %.1f s",
+                            type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            lost = asyncio.Event()
+            conn.add_termination_listener(lambda _c, lost=lost: lost.set())
+            try:
+                for channel in list(self.callbacks):
+                    await self._listen(conn, channel)
+                self._conn, self.connected, delay = conn, True, 0.5
+                for callback in list(self.on_connect):
+                    callback()
+                while not lost.is_set():
+                    try:
+                        await asyncio.wait_for(lost.wait(), LISTEN_PING_SECONDS)
+                    except asyncio.TimeoutError:
+                        await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("the LISTEN connection failed (%s); reconnecting", type(exc).__name__)
+            finally:
+                self._conn, self.connected = None, False
+                conn.terminate()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+
+_listener = Listener()
+
+
+def subscribe(channel: str, callback: Callable[[str], None], on_connect: Callable[[], None] | None = None) -> None:
+    """Run `callback(payload)` on every notification of `channel` in this process (see Listener)."""
+    _listener.subscribe(channel, callback, on_connect)
+
+
+def listening() -> bool:
+    return _listener.connected

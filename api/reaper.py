@@ -1,9 +1,10 @@
 """Finds attempts whose worker stopped heartbeating and requeues them as the next attempt.
 
 Also re-asserts the control keys every pass (current attempt, cancel requests), so a Redis that
-restarted without its data cannot make workers lose track of their jobs, re-sends jobs whose
-enqueue failed after their row was committed, and re-drives the queued jobs whose task messages
-a Redis lost with its data (RedisLossWatch tells when).
+restarted without its data cannot make workers lose track of their jobs, and re-drives the queued
+jobs whose task messages a Redis lost with its data (RedisLossWatch tells when). It never sends a
+task itself: a requeued or re-driven job is committed as queued and unsent, and the dispatcher
+(api/dispatcher.py) sends it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sqlalchemy.orm import Session
 from api.db import session_scope
 from api.models import ACTIVE, Job, JobEvent
 from api.services import events
-from api.services.jobs import CANCEL_KEY_TTL, now, send
+from api.services.jobs import CANCEL_KEY_TTL, now
 from api.settings import ApiSettings
 from worker.keys import attempt_key, cancel_key, lease_key, released_key
 
@@ -31,11 +32,11 @@ log = logging.getLogger(__name__)
 # Written by the control plane with a random value and never deleted: if it is gone or changed, the
 # Redis lost its data (a restart without persistence, a flush, a failover to an empty replica).
 DATASET_KEY = "ft:controlplane:dataset"
-# How long after a loss queued jobs are still looked at: an API that had sent a task just before the
+# How long after a loss queued jobs are still looked at: a dispatcher that had sent a task just before the
 # loss may commit its dispatched_at only a little later.
 REDRIVE_WINDOW_SECONDS = 60.0
-# An API that committed a job but has not sent it yet may still be sending it: leave it alone this long.
-API_SEND_SECONDS = 5
+# A job committed but not marked sent may be in the dispatcher's hands right now: leave it alone this long.
+UNSENT_GRACE_SECONDS = 5
 
 
 class RedisLossWatch:
@@ -127,7 +128,6 @@ class Reaper:
                     acted.append(job.id)
                 self.missing_since.pop(key, None)
         self.missing_since = {k: v for k, v in self.missing_since.items() if k in live}
-        self._resend_undispatched()
         self.last_pass = time.monotonic()
         return acted
 
@@ -160,9 +160,7 @@ class Reaper:
             job.status = "queued"
             job.dispatched_at = None
             events.append(session, job, "state", {"status": "queued", "reason": why, "previous_attempt": attempt})
-            session.commit()
             log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, why, attempt + 1)
-            send(session=session, client=self.r, job=job)
             return True
 
     def _redrive(self) -> list[str]:
@@ -183,15 +181,15 @@ class Reaper:
             if self.lost_at_db is None:
                 self.lost_at_db = db_now - timedelta(seconds=time.monotonic() - self.lost_mono)
             # Which task messages may have been in the lost data: those sent before the loss was noticed.
-            # The API sends, then commits dispatched_at (its clock, right after the send) and with it
+            # The dispatcher sends, then commits dispatched_at (its clock, right after the send) and with it
             # updated_at (the database's clock, after the send). Sending again a job whose message in
             # fact survived costs one attempt number; missing one leaves it queued forever.
             sent_before = and_(Job.dispatched_at.is_not(None),
                                or_(Job.updated_at <= self.lost_at_db, Job.dispatched_at <= self.lost_at))
-            # Never marked sent: the send failed or the commit after it did. Once the API is surely done
-            # with it, a new attempt is safer than the same one, whose claim key may have gone with the data.
+            # Never marked sent: the send failed or the commit after it did. Once the dispatcher is surely
+            # done with it, a new attempt is safer than the same one, whose claim key may have gone with the data.
             unsent = and_(Job.dispatched_at.is_(None), Job.updated_at <= self.lost_at_db,
-                          Job.updated_at < db_now - timedelta(seconds=API_SEND_SECONDS))
+                          Job.updated_at < db_now - timedelta(seconds=UNSENT_GRACE_SECONDS))
             query = select(Job).where(Job.status == "queued", or_(sent_before, unsent))
             if self.redriven:
                 query = query.where(Job.id.not_in(self.redriven))
@@ -206,20 +204,10 @@ class Reaper:
             session.commit()
             self.redriven.update(job.id for job in jobs)
             for job in jobs:
-                log.warning("job %s re-sent as attempt %d after Redis lost its data", job.id, job.attempt)
-                # A failed send leaves dispatched_at empty: _resend_undispatched retries it.
-                send(session=session, client=self.r, job=job)
+                log.warning("job %s goes out again as attempt %d after Redis lost its data", job.id, job.attempt)
         if self.redrive_deadline is None:
             self.redrive_deadline = time.monotonic() + REDRIVE_WINDOW_SECONDS
         return [job.id for job in jobs]
-
-    def _resend_undispatched(self) -> None:
-        cutoff = now() - timedelta(seconds=5)
-        with session_scope() as session:
-            stuck = list(session.scalars(select(Job).where(Job.status == "queued", Job.dispatched_at.is_(None),
-                                                           Job.updated_at < cutoff).with_for_update(skip_locked=True)))
-            for job in stuck:
-                send(session=session, client=self.r, job=job)
 
 
 def _losses(session: Session, job_id: str) -> int:

@@ -41,8 +41,8 @@ EventType = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
 
 
 @router.post("", status_code=201, response_model=Job)
-async def create_job(spec: JobCreate, client: RedisDep, settings: SettingsDep) -> Response:
-    return JSONBytes(await service.create(client=client, settings=settings, spec=spec), status_code=201)
+async def create_job(spec: JobCreate, settings: SettingsDep) -> Response:
+    return JSONBytes(await service.create(settings=settings, spec=spec), status_code=201)
 
 
 @router.get("", response_model=JobList)

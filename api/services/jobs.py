@@ -1,22 +1,19 @@
-"""Job writes: submit and cancel (and the enqueue the reaper shares). Routes call these and nothing else."""
+"""Job writes: submit and cancel. Routes call these and nothing else; sending to the workers is the
+control plane's (api/dispatcher.py)."""
 
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 from datetime import datetime, timezone
-from functools import partial
 from typing import Any
 
-import anyio
 import orjson
 import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api import pg, reads
-from api.dispatch import dispatch, run_spec
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, Job
 from api.services import events
@@ -26,7 +23,6 @@ from trainer.dsconfig import ResolveLimits, resolve
 from trainer.spec import JobSpec
 from worker.keys import cancel_key
 
-log = logging.getLogger(__name__)
 CANCEL_KEY_TTL = 30 * 24 * 3600
 
 
@@ -67,17 +63,9 @@ def to_json(value: Any) -> str:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
 
 
-# Committed without waiting for the disk (set_config(..., true) holds for this statement's transaction only):
-# if Postgres loses this update in a crash, the reaper re-sends the job, and a worker drops the duplicate
-# message because the attempt was claimed already. The insert above waits for the disk as usual.
-MARK_DISPATCHED = """
-WITH unsynced AS (SELECT set_config('synchronous_commit', 'off', true))
-UPDATE jobs SET dispatched_at = now() FROM unsynced
-WHERE id = $1 AND status = 'queued' AND attempt = 1 AND dispatched_at IS NULL"""
-
-
-async def create(*, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -> bytes:
-    """Validate and resolve, commit the row, then enqueue: the row exists before any worker can see it.
+async def create(*, settings: ApiSettings, spec: JobSpec) -> bytes:
+    """Validate and resolve, then commit the row and its first event: the control plane's dispatcher sends
+    it to the workers (woken by the row's trigger), so a submit never waits on Redis or the broker.
     Returns the new job as the JSON the API answers with."""
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
@@ -87,32 +75,11 @@ async def create(*, client: redis.Redis, settings: ApiSettings, spec: JobSpec) -
     _patch_nvme(resolved.deepspeed_config, resolved.spec.deepspeed.nvme_path)
     job_id = new_id()
     job_dir = str(root_path(settings.artifacts_root) / "jobs" / job_id)
-    resolved_json = resolved.model_dump(mode="json")
     body = await pg.fetchval(
-        INSERT_JOB, job_id, spec.name, spec.resources.queue, to_json(request), to_json(resolved_json), job_dir,
+        INSERT_JOB, job_id, spec.name, spec.resources.queue, to_json(request),
+        to_json(resolved.model_dump(mode="json")), job_dir,
         to_json({"step": 0, "total_steps": spec.hyperparameters.max_steps}), to_json(spec.metadata))
-    try:
-        # Celery's client is synchronous: it runs beside the event loop, not on it.
-        await anyio.to_thread.run_sync(partial(
-            dispatch, client, job_id=job_id, attempt=1, job_dir=job_dir, run=run_spec(job_dir, resolved_json),
-            queue=spec.resources.queue))
-    except Exception:
-        log.exception("could not enqueue job %s; the reaper will retry", job_id)
-        return body.encode()
-    await pg.fetchval(MARK_DISPATCHED, job_id)
     return body.encode()
-
-
-def send(*, session: Session, client: redis.Redis, job: Job) -> None:
-    """Enqueue the job's current attempt; on failure the reaper retries (dispatched_at stays empty)."""
-    try:
-        dispatch(client, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,
-                 run=run_spec(job.job_dir, job.resolved), queue=job.queue)
-    except Exception:
-        log.exception("could not enqueue job %s; the reaper will retry", job.id)
-        return
-    job.dispatched_at = now()
-    session.commit()
 
 
 def get(*, session: Session, job_id: str, lock: bool = False) -> Job:

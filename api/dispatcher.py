@@ -1,0 +1,93 @@
+"""Sends queued jobs to the workers: the one place a task message is published (the outbox's relay).
+
+The API's submit only commits the job row; a requeue or re-drive only puts the row back to queued
+with no `dispatched_at`. This thread finds such rows and publishes their current attempt through
+Celery, then marks them sent. It wakes on `ft_dispatch` (a trigger notifies when a row needs sending,
+migration 0003) and looks anyway every POLL_SECONDS, so a lost notification or listener costs at most
+that. Exactly one task message per attempt is the goal, at least one is the guarantee: a crash between
+publishing and the commit sends the attempt again, and a worker drops a message for an attempt that
+was already claimed. A submit thus never waits on Redis or the broker, and a row can never exist
+without its message being sent (the gap the API's own send after the commit had).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timezone
+
+import psycopg
+import redis
+from sqlalchemy import select
+
+from api.db import session_scope
+from api.dispatch import dispatch, run_spec
+from api.ingest import first_line
+from api.models import Job
+from api.pg import dsn
+from api.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "ft_dispatch"
+POLL_SECONDS = 1.0
+BATCH = 200  # rows locked and sent per transaction
+RETRY_MAX_SECONDS = 5.0
+
+
+class Dispatcher:
+    def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
+        self.r = client
+        self.settings = settings
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * POLL_SECONDS + 1)
+
+    def step(self) -> int:
+        """Send every queued job that has not been sent; returns how many were sent."""
+        sent = 0
+        while True:
+            with session_scope() as session:
+                # Rows another dispatcher (or the reaper's re-drive) holds are theirs this time round.
+                jobs = list(session.scalars(
+                    select(Job).where(Job.status == "queued", Job.dispatched_at.is_(None))
+                    .order_by(Job.seq).limit(BATCH).with_for_update(skip_locked=True)))
+                for job in jobs:
+                    dispatch(self.r, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,
+                             run=run_spec(job.job_dir, job.resolved), queue=job.queue)
+                    # This host's clock: the reaper compares it with when it noticed a Redis data loss.
+                    job.dispatched_at = datetime.now(timezone.utc)
+            sent += len(jobs)
+            if len(jobs) < BATCH:
+                return sent
+
+    def _run(self) -> None:
+        pause = 0.5
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(dsn(self.settings.database_url), autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    # LISTEN first, then look: a row committed in between is either seen now or notified.
+                    while not self._stopping.is_set():
+                        sent = self.step()
+                        if sent:
+                            log.info("sent %d job(s) to the workers", sent)
+                        pause = 0.5
+                        for _ in conn.notifies(timeout=POLL_SECONDS, stop_after=1):
+                            pass
+                        # What else arrived meanwhile is served by the same next pass, not one pass each.
+                        for _ in conn.notifies(timeout=0):
+                            pass
+            except Exception as exc:  # an outage of Postgres, Redis or the broker: wait and look again
+                log.warning("dispatching failed (%s); retrying in %.1f s", first_line(exc), pause)
+                self._stopping.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_SECONDS)
+
