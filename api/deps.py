@@ -1,17 +1,18 @@
-"""Dependencies as Annotated aliases: sessions, settings, Redis."""
+"""Dependencies as Annotated aliases: sessions, settings, Redis, the caller; and the scope a route declares."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Any
 
 import redis
-from fastapi import Depends
+from fastapi import Depends, Request
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
+from api.access import Principal, Scope
 from api.db import _factory
 from api.settings import ApiSettings, get_settings
 
@@ -44,3 +45,16 @@ def _redis_dep(settings: Annotated[ApiSettings, Depends(get_settings)]) -> redis
 SessionDep = Annotated[Session, Depends(_session)]
 SettingsDep = Annotated[ApiSettings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(_redis_dep)]
+
+
+def _caller(request: Request) -> Principal:
+    # Set by api.guards.KeyAuth before the route was reached; a route outside it has no caller.
+    return request.state.caller
+
+
+def scoped(scope: Scope) -> dict[str, Any]:
+    """The route's required scope, as `openapi_extra`: KeyAuth reads it before the body, /docs shows it."""
+    return {"x-scope": scope.value}
+
+
+CallerDep = Annotated[Principal, Depends(_caller)]

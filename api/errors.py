@@ -29,9 +29,12 @@ RETRY_AFTER_SECONDS = 5
 class ErrorCode(str, Enum):
     INVALID_REQUEST = "invalid_request"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    QUOTA_EXCEEDED = "quota_exceeded"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNAVAILABLE = "unavailable"
     HTTP_ERROR = "http_error"
@@ -55,11 +58,13 @@ class ErrorResponse(BaseModel):
 
 
 _DESCRIPTIONS = {
-    401: "No valid bearer token (`Authorization: Bearer <token>`)",
-    404: "No such job",
-    409: "The job's state does not allow this",
+    401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired",
+    403: "The key lacks the scope this needs; the message names it",
+    404: "No such job (or it belongs to another owner)",
+    409: "The job's state does not allow this, or the Idempotency-Key was used with another body",
     413: "The body is larger than the limit (1 MiB)",
     422: "A field is invalid; `field` and `details` name each one and say what is accepted",
+    429: "The owner's quota would be exceeded; the message names the limit, the current use and the request",
     503: "Postgres or Redis is unreachable; retry after `Retry-After` seconds",
 }
 _HEADERS: dict[int, dict[str, Any]] = {
@@ -172,7 +177,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 401: ErrorCode.UNAUTHORIZED,
-                413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
+                403: ErrorCode.FORBIDDEN, 413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
         # Keep the exception's headers: a 405 must say what is allowed (Allow).
         return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 

@@ -1,13 +1,13 @@
-"""What every request passes before any route sees it: the bearer token, then the body size, then strict JSON.
+"""What every request passes before any route sees it: the API key and its scope, then the body size, then
+strict JSON.
 
 The first two are plain ASGI middleware so they act before FastAPI reads or validates anything: an
-unauthenticated request is refused without its body being read, and a body is counted while it
+unauthenticated or unauthorised request is refused without its body being read, and a body is counted while it
 streams in, so neither a missing nor a lying Content-Length gets more than the limit buffered.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import sys
@@ -16,12 +16,14 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import ErrorCode, error_response
+from api import access
+from api.errors import ApiError, ErrorCode, error_response
 
 MAX_BODY_BYTES = 1024 * 1024
-# Documentation and probes stay reachable without a token.
+# Documentation and probes stay reachable without a key.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
@@ -32,29 +34,62 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-class BearerAuth:
-    """Refuses every request outside OPEN_PATHS without `Authorization: Bearer <token>` when a token is set.
+class KeyAuth:
+    """Refuses every request outside OPEN_PATHS without a valid API key, and one whose key lacks the route's
+    scope, before anything else runs: the body is neither read nor measured for a caller who may not send it.
 
-    Compares bytes, not str: the header may hold any bytes, and `secrets.compare_digest` raises on
-    non-ASCII str, which turned a wrong token into a 500.
+    The route's scope is the `x-scope` its decorator declares (`api.deps.scoped`); a route that declares
+    none needs `admin`, so a new route is closed until it says otherwise. The principal goes into the
+    request's state for the route (`api.deps.CallerDep`). Keys are checked through the process's cache
+    (api/access.py): no database round trip for a key seen in the last seconds.
     """
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute], allow_anonymous: bool = False) -> None:
         self.app = app
-        self.token = token.encode("utf-8")
+        self.routes = routes
+        self.allow_anonymous = allow_anonymous
+
+    def required_scope(self, scope: Scope) -> str | None:
+        """The scope the request's route needs; None where no route matches (the router answers 404/405)."""
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                extra = getattr(route, "openapi_extra", None) or {}
+                return str(extra.get("x-scope", access.Scope.ADMIN.value))
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.token or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, given = (_header(scope, b"authorization") or b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
-            await self.app(scope, receive, send)
+        header = _header(scope, b"authorization")
+        if header is None and self.allow_anonymous:
+            caller: access.Principal | None = access.ANONYMOUS
+        else:
+            scheme, _, given = (header or b"").partition(b" ")
+            given = given.strip()
+            caller = None
+            if scheme.lower() == b"bearer" and access.looks_like_a_key(given):
+                try:
+                    caller = await access.CACHE.lookup(given)
+                except ApiError as exc:  # Postgres unreachable: the key cannot be checked
+                    await error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)(
+                        scope, receive, send)
+                    return
+            if caller is None:
+                response = error_response(
+                    401, ErrorCode.UNAUTHORIZED, "send a valid API key as 'Authorization: Bearer <key>' "
+                    "(this one is missing, unknown, revoked or expired)", "authorization",
+                    headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        needed = self.required_scope(scope)
+        if needed is not None and not caller.allows(needed):
+            await error_response(403, ErrorCode.FORBIDDEN, f"this needs the scope {needed!r}; the key has "
+                                 f"{', '.join(sorted(caller.scopes)) or 'none'}", "scope")(scope, receive, send)
             return
-        response = error_response(401, ErrorCode.UNAUTHORIZED,
-                                  "send the API token as 'Authorization: Bearer <token>'", "authorization",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        scope.setdefault("state", {})["caller"] = caller
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from functools import partial
 from typing import Any
 
@@ -12,9 +14,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
 
 from api import errors, pg
-from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BearerAuth, BodyLimit
-from api.routes import health, jobs
+from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
+from api.routes import audit, health, jobs, keys, owners
+from api.services import idempotency
 from api.settings import ApiSettings, get_settings
+
+log = logging.getLogger(__name__)
 
 
 def load_settings() -> ApiSettings:
@@ -30,9 +35,39 @@ def load_settings() -> ApiSettings:
         raise SystemExit("the API cannot start: " + "; ".join(problems)) from None
 
 
+# Any key with the admin scope that works now.
+ADMIN_KEY_EXISTS = ("SELECT EXISTS (SELECT 1 FROM api_keys WHERE 'admin' = ANY(scopes) AND revoked_at IS NULL "
+                    "AND (expires_at IS NULL OR expires_at > now()))")
+NO_ADMIN_KEY = ("the API cannot start: FT_ENV is {env!r} and the database has no working admin key, so nobody "
+                "could create keys or set quotas. Create one with `python -m api.keys create --owner NAME "
+                "--scopes admin` (in compose: `docker compose run --rm api python -m api.keys create ...`), "
+                "then start the API again")
+
+
+async def require_admin_key(settings: ApiSettings) -> None:
+    """Outside development, refuse to start without a working admin key. Where Postgres cannot be asked yet,
+    start anyway: with no key readable, every request is refused (401 or 503), which is safe."""
+    try:
+        found = await pg.fetchval(ADMIN_KEY_EXISTS)
+    except Exception as exc:
+        log.warning("could not check for an admin key at start (%s); starting, every request needs a key",
+                    type(exc).__name__)
+        return
+    if not found:
+        log.error(NO_ADMIN_KEY.format(env=settings.env))
+        raise RuntimeError(NO_ADMIN_KEY.format(env=settings.env))
+
+
 @asynccontextmanager
 async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    settings = get_settings()
+    if not settings.development:
+        await require_admin_key(settings)
+    purge = asyncio.get_running_loop().create_task(idempotency.purge_forever(settings), name="idempotency purge")
     yield
+    purge.cancel()
+    with suppress(asyncio.CancelledError):
+        await purge
     await pg.close()
 
 
@@ -44,20 +79,25 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
-    # The last one added runs first: the token is checked before the body is read at all.
+    app.include_router(keys.router)
+    app.include_router(owners.router)
+    app.include_router(audit.router)
+    # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-    app.add_middleware(BearerAuth, token=settings.api_token)
+    app.add_middleware(KeyAuth, routes=app.router.routes, allow_anonymous=settings.allow_anonymous)
     app.openapi = partial(openapi_with_bearer, app)  # type: ignore[method-assign]
     return app
 
 
 def openapi_with_bearer(app: FastAPI) -> dict[str, Any]:
-    """The schema with the bearer scheme on every guarded route. BearerAuth checks the token before any
-    route runs, so the scheme is written here rather than as a dependency each request would resolve."""
+    """The schema with the bearer scheme on every guarded route. KeyAuth checks the key before any route
+    runs, so the scheme is written here rather than as a dependency each request would resolve; each
+    route's `x-scope` says which scope its key needs."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schema.setdefault("components", {}).setdefault("securitySchemes", {})["HTTPBearer"] = {
-            "type": "http", "scheme": "bearer", "description": "FT_API_TOKEN, as 'Authorization: Bearer <token>'"}
+            "type": "http", "scheme": "bearer",
+            "description": "An API key (POST /keys, or `python -m api.keys create`), as 'Authorization: Bearer <key>'"}
         for path, operations in schema["paths"].items():
             if path not in OPEN_PATHS:
                 for operation in operations.values():

@@ -1,4 +1,4 @@
-"""ORM models: a job and its ordered, durable event log."""
+"""ORM models: a job and its ordered, durable event log; API keys, quotas, idempotency keys and the audit log."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
     CheckConstraint,
     DateTime,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
+    PrimaryKeyConstraint,
     String,
     Text,
     UniqueConstraint,
@@ -26,6 +29,9 @@ from api.db import Base
 ACTIVE = ("starting", "running", "cancelling")
 TERMINAL = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", *ACTIVE, *TERMINAL)
+# What an owner's quota counts: every job that has not ended, queued ones included (a quota limits what
+# one caller may queue, not only what runs).
+UNFINISHED = ("queued", *ACTIVE)
 
 
 class Job(Base):
@@ -37,6 +43,10 @@ class Job(Base):
         Index("ix_jobs_queue_seq", "queue", "seq"),
         Index("ix_jobs_undispatched", "updated_at",
               postgresql_where=text("status = 'queued' AND dispatched_at IS NULL")),
+        # A caller's own jobs, newest first (every non-admin list), and what its quota counts.
+        Index("ix_jobs_owner_seq", "owner", "seq"),
+        Index("ix_jobs_owner_unfinished", "owner", postgresql_include=["gpus"],
+              postgresql_where=text(f"status IN {UNFINISHED!r}")),
     )
 
     # Internal order for "newest first" and cursors; the public id is opaque.
@@ -46,6 +56,10 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     queue: Mapped[str] = mapped_column(String(64), nullable=False, default="default")
+    # The submitting key's owner; no server default, so a writer that forgets it fails instead of
+    # filing the job under someone else.
+    owner: Mapped[str] = mapped_column(String(64), nullable=False)
+    gpus: Mapped[int] = mapped_column(Integer, nullable=False, default=1)  # what the quota's max_gpus counts
     request: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     resolved: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     job_dir: Mapped[str] = mapped_column(Text, nullable=False)
@@ -80,3 +94,61 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     # The Redis stream entry it came from: redelivery after a crash must not duplicate it.
     source_id: Mapped[str | None] = mapped_column(String(64), unique=True, nullable=True)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    __table_args__ = (Index("ix_api_keys_owner", "owner"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    # SHA-256 of the whole key; the key itself is never stored (see api/access.py for why SHA-256).
+    secret_hash: Mapped[bytes] = mapped_column(LargeBinary(32), unique=True, nullable=False)
+    prefix: Mapped[str] = mapped_column(String(16), nullable=False)  # the key's first characters, to recognise it
+    owner: Mapped[str] = mapped_column(String(64), nullable=False)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(String(16)), nullable=False)
+    name: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    created_by: Mapped[str | None] = mapped_column(String(40), nullable=True)  # a key id; null: the CLI
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class OwnerQuota(Base):
+    __tablename__ = "owner_quotas"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Null: the service's default (FT_QUOTA_MAX_ACTIVE_JOBS, FT_QUOTA_MAX_GPUS).
+    max_active_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+class IdempotencyKey(Base):
+    """The first successful answer to `POST /jobs` with an Idempotency-Key, replayed to every retry."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (PrimaryKeyConstraint("owner", "key", name="pk_idempotency_keys"),
+                      Index("ix_idempotency_keys_created_at", "created_at"))
+
+    owner: Mapped[str] = mapped_column(String(64), nullable=False)
+    key: Mapped[str] = mapped_column(String(255), nullable=False)
+    request_hash: Mapped[bytes] = mapped_column(LargeBinary(32), nullable=False)
+    job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    response: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+class AuditEntry(Base):
+    """Who did what: submits, cancels, key and quota changes. Written in the same transaction as the change."""
+
+    __tablename__ = "audit_log"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    key_id: Mapped[str | None] = mapped_column(String(40), nullable=True)  # null: the operator's CLI
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the acting key's owner
+    action: Mapped[str] = mapped_column(String(32), nullable=False)
+    subject: Mapped[str] = mapped_column(String(64), nullable=False)  # a job id, key id or owner
+    data: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)

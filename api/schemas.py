@@ -45,6 +45,7 @@ class JobSummary(BaseModel):
 
     id: str
     name: str
+    owner: str = Field(description="The owner of the key that submitted it")
     status: JobStatus
     attempt: int
     queue: str
@@ -87,3 +88,87 @@ class EventPage(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+# -- access: keys, quotas, the audit log --
+
+OWNER_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+ScopeName = Literal["jobs:read", "jobs:write", "admin"]
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    owner: str = Field(pattern=OWNER_PATTERN, description="The team or project the key acts for; its jobs' owner")
+    scopes: list[ScopeName] = Field(min_length=1, max_length=3, description="jobs:read (list, read, events, logs), "
+                                    "jobs:write (submit, cancel; implies jobs:read), admin (everything)")
+    name: str = Field(default="", max_length=200, description="What the key is for (shown in lists)")
+    expires_at: datetime | None = Field(default=None, description="When the key stops working; null: never")
+
+
+class Key(BaseModel):
+    """A key as lists show it: never its secret."""
+
+    id: str
+    prefix: str = Field(description="The key's first characters, to recognise it (say, in a leaked file)")
+    owner: str
+    scopes: list[ScopeName]
+    name: str
+    created_at: datetime
+    created_by: str | None = Field(description="The key id that created it; null: the operator's CLI")
+    expires_at: datetime | None
+    last_used_at: datetime | None = Field(description="Updated at most about once a minute")
+    revoked: bool
+    revoked_at: datetime | None
+
+
+class KeyCreated(Key):
+    key: str = Field(description="The secret: shown this once, stored only as a hash")
+
+
+class KeyList(BaseModel):
+    data: list[Key] = Field(description="Newest first")
+    has_more: bool
+
+
+class QuotaSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_active_jobs: int | None = Field(default=None, ge=0, le=1_000_000, description=(
+        "Jobs of the owner that have not ended (queued ones included); null: the service default"))
+    max_gpus: int | None = Field(default=None, ge=0, le=1_000_000, description=(
+        "GPUs (`resources.num_gpus`) of those jobs together; null: the service default"))
+
+
+class QuotaUsage(BaseModel):
+    active_jobs: int
+    gpus: int
+
+
+class Quota(BaseModel):
+    owner: str
+    max_active_jobs: int | None = Field(description="In effect; null: no limit")
+    max_gpus: int | None = Field(description="In effect; null: no limit")
+    set: QuotaSet = Field(description="What an admin set for this owner (null fields take the default)")
+    usage: QuotaUsage
+
+
+class Actor(BaseModel):
+    key_id: str | None = Field(description="The acting key; null: the operator's CLI or development's anonymous "
+                                           "caller")
+    owner: str | None
+
+
+class AuditEntry(BaseModel):
+    id: int = Field(description="Ordered; read on with `after`")
+    at: datetime
+    actor: Actor
+    action: str = Field(description="job.submit, job.cancel, key.create, key.revoke, quota.set")
+    subject: str = Field(description="The job id, key id or owner acted on")
+    data: dict[str, Any]
+
+
+class AuditPage(BaseModel):
+    data: list[AuditEntry]
+    has_more: bool
+    next_after: int = Field(description="Pass as `after` to read on")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,7 +24,19 @@ class ApiSettings(BaseSettings):
     nvme_root: str = "/local_nvme"
     allow_hub_models: bool = True
     trust_remote_code_models: str = ""  # comma-separated model ids allowed to run their own code
-    api_token: str = ""  # when set, every /jobs request needs "Authorization: Bearer <token>"
+    # Removed: one shared token for everyone. Set, it stops the API from starting (see _no_shared_token).
+    api_token: str = ""
+    # Development only: a request without an Authorization header acts as an admin of owner `default`
+    # (local experiments, and test clients that speak raw HTTP). A request that sends a key is checked as usual.
+    allow_anonymous: bool = False
+    # How long an API process trusts what it read about a key (owner, scopes, expiry, revoked). Revocation
+    # reaches every process at once through a notification; this bounds it when one is missed.
+    key_cache_seconds: float = 10.0
+    # Quotas for an owner an admin set none for (PUT /owners/{owner}/quota); empty: no limit.
+    quota_max_active_jobs: int | None = 100
+    quota_max_gpus: int | None = None
+    # How long an Idempotency-Key's answer is kept (at least a day: clients retry across a night's outage).
+    idempotency_hours: float = 24.0
     auto_micro_batch_tokens: int = 16384
     # A worker whose lease has been missing this long is gone; its job is requeued.
     lease_grace_seconds: float = 3.0
@@ -41,10 +53,38 @@ class ApiSettings(BaseSettings):
     def broker(self) -> str:
         return self.broker_url or self.redis_url
 
+    @property
+    def development(self) -> bool:
+        return self.env == "development"
+
+    @field_validator("quota_max_active_jobs", "quota_max_gpus", mode="before")
+    @classmethod
+    def _empty_is_no_limit(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none", "null") else value
+
+    @field_validator("quota_max_active_jobs", "quota_max_gpus")
+    @classmethod
+    def _not_negative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError("must be 0 or more (empty: no limit)")
+        return value
+
+    @field_validator("idempotency_hours")
+    @classmethod
+    def _at_least_a_day(cls, value: float) -> float:
+        if value < 24:
+            raise ValueError("must be at least 24: clients count on a retry within a day being recognised")
+        return value
+
     @model_validator(mode="after")
-    def _token_outside_development(self) -> ApiSettings:
-        if self.env != "development" and not self.api_token:
-            raise ValueError("FT_API_TOKEN must be set outside development (FT_ENV=development)")
+    def _safe_outside_development(self) -> ApiSettings:
+        if self.api_token:
+            # Refused rather than ignored: a deployment that still sets it believes it is guarded by it.
+            raise ValueError("FT_API_TOKEN was removed: access is by API keys now. Unset it and create an admin "
+                             "key with `python -m api.keys create --owner NAME --scopes admin` (README, Access)")
+        if self.allow_anonymous and not self.development:
+            raise ValueError("FT_ALLOW_ANONYMOUS is for development only (FT_ENV=development); production "
+                             "requires an API key on every request")
         return self
 
 

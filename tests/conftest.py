@@ -7,6 +7,8 @@ the worker runs the real DeepSpeed launcher with two CPU processes on a tiny mod
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 import redis
 
 from scripts.corpus import write_corpus
-from scripts.stack import Stack, migrate
+from scripts.stack import ROOT, Stack, migrate
 from tests.helpers import free_port
 
 PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname=postgres")
@@ -71,7 +73,20 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str
         # Short leases so a killed worker is noticed within seconds.
         "FT_HEARTBEAT_SECONDS": "1", "FT_LEASE_TTL_SECONDS": "3", "FT_LEASE_GRACE_SECONDS": "2",
         "FT_LOOP_INTERVAL_SECONDS": "0.2", "FT_ENV": "development",
+        # Clients that speak raw HTTP (the followers' SSE readers) send no key: they act as `default`'s admin.
+        # The `api` client sends a real key; tests/test_access.py runs its own APIs with keys required.
+        "FT_ALLOW_ANONYMOUS": "true",
+        # Tests leave parked jobs queued all session long; quotas are tested on APIs of their own.
+        "FT_QUOTA_MAX_ACTIVE_JOBS": "",
     }
+
+
+def create_key(env: dict[str, str], owner: str, scopes: str, name: str = "tests") -> str:
+    """A key made the way an operator makes the first one: the CLI, straight into Postgres."""
+    done = subprocess.run([sys.executable, "-m", "api.keys", "create", "--owner", owner, "--scopes", scopes,
+                           "--name", name], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
 @pytest.fixture(scope="session")
@@ -88,8 +103,15 @@ def stack(stack_env: dict[str, str], roots: dict[str, Path]) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
-def api(stack: Stack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.api_url, timeout=30) as client:
+def admin_key(stack: Stack, stack_env: dict[str, str]) -> str:
+    """An admin key of the `default` owner (the owner anonymous raw-HTTP clients act as, so both see the
+    same jobs)."""
+    return create_key({**os.environ, **stack_env}, "default", "admin")
+
+
+@pytest.fixture(scope="session")
+def api(stack: Stack, admin_key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.api_url, timeout=30, headers={"Authorization": f"Bearer {admin_key}"}) as client:
         yield client
 
 

@@ -1,0 +1,43 @@
+"""API keys: create (the secret shown once), list, revoke. Admin only."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query
+
+from api.access import Scope
+from api.deps import CallerDep, SessionDep, scoped
+from api.errors import responses
+from api.guards import StrictJSONRoute
+from api.schemas import OWNER_PATTERN, Key, KeyCreate, KeyCreated, KeyList
+from api.services import keys as service
+
+router = APIRouter(prefix="/keys", tags=["keys"], route_class=StrictJSONRoute,
+                   responses=responses(401, 403, 413, 422, 503))
+KEY_ID = r"^[A-Za-z0-9_-]{1,40}$"
+ADMIN = scoped(Scope.ADMIN)
+
+
+@router.post("", status_code=201, response_model=KeyCreated, openapi_extra=ADMIN)
+def create_key(body: KeyCreate, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+    """A new key for `owner` with `scopes`; the answer's `key` is the secret, shown this once."""
+    key, secret = service.create(session=session, owner=body.owner, scopes=list(body.scopes), name=body.name,
+                                 expires_at=body.expires_at, actor=caller)
+    return {**service.view(key), "key": secret}
+
+
+@router.get("", response_model=KeyList, openapi_extra=ADMIN)
+def list_keys(session: SessionDep,
+              owner: Annotated[str | None, Query(pattern=OWNER_PATTERN)] = None,
+              limit: Annotated[int, Query(ge=1, le=200)] = 50,
+              after: Annotated[str | None, Query(pattern=KEY_ID, description="The last id of the previous page")]
+              = None) -> dict[str, Any]:
+    """Every key (revoked ones too), newest first, without secrets."""
+    return service.listing(session=session, owner=owner, limit=limit, after=after)
+
+
+@router.delete("/{key_id}", response_model=Key, responses=responses(404), openapi_extra=ADMIN)
+def revoke_key(key_id: Annotated[str, Path(pattern=KEY_ID)], session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+    """Revokes the key: from this answer on it gets 401 from every API process. Revoking twice changes nothing."""
+    return service.view(service.revoke(session=session, key_id=key_id, actor=caller))
