@@ -694,7 +694,7 @@ class _Merger:
             hp.gradient_clipping = float(dsfields.top_level_default("gradient_clipping"))
         adam = dsfields.table()["adam_defaults"]
         if out.optimizer_type is None:
-            self.notes.append(f"optimizer is unset: the job's AdamW runs (lr {hp.learning_rate}, betas "
+            self.notes.append(f"optimizer is unset: the job's {hp.optimizer} runs (lr {hp.learning_rate}, betas "
                               f"{list(hp.adam_betas)}, eps {adam['eps']}, weight_decay {hp.weight_decay}).")
         else:
             unset = {"lr": "learning_rate", "betas": "adam_betas", "weight_decay": "weight_decay"}
@@ -898,8 +898,16 @@ def render(spec: JobSpec, g: int, m: int, a: int, merger: _Merger | None = None)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if hp.optimizer != "adamw":
+        # The trainer hands DeepSpeed its own optimizer (trainer/optim.py): a config optimizer beside it is an
+        # error in DeepSpeed, and ZeRO refuses an optimizer it has not tested unless told it may.
+        del cfg["optimizer"]
+        cfg["zero_allow_untested_optimizer"] = True
     if ds.precision == "bf16":
         cfg["bf16"] = {"enabled": True, **(raw.bf16_extra if raw else {})}
+        if hp.optimizer == "adamw_bf16":
+            # ZeRO then keeps its master partitions, gradients and the optimizer's moments in bf16.
+            cfg["bf16"].update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     elif ds.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1, **(raw.fp16_extra if raw else {})}
@@ -923,6 +931,33 @@ def render(spec: JobSpec, g: int, m: int, a: int, merger: _Merger | None = None)
         cfg.update(raw.passthrough)
     cfg["zero_optimization"] = zero
     return cfg
+
+
+def optimizer_problems(spec: JobSpec, merger: _Merger | None) -> list[FieldError]:
+    """Why the job's optimizer cannot run with its DeepSpeed settings (read after a raw config's merge)."""
+    hp, ds = spec.hyperparameters, spec.deepspeed
+    if hp.optimizer == "adamw":
+        return []
+    field, name = "hyperparameters.optimizer", f'"{hp.optimizer}"'
+    errors: list[FieldError] = []
+    if ds.precision != "bf16":
+        errors.append(FieldError(field, f'{name} keeps the master weights in bf16, so it needs deepspeed.precision '
+                                        f'"bf16" (got "{ds.precision}"); set precision to "bf16" or optimizer to '
+                                        '"adamw"', "conflict"))
+    if ds.zero_stage == 0:
+        errors.append(FieldError(field, f"{name} needs ZeRO stage 1, 2 or 3 (got stage 0): only {DS}'s ZeRO "
+                                        "optimizers keep master weights in bf16; set deepspeed.zero_stage to 1, 2 or 3 "
+                                        'or optimizer to "adamw"', "conflict"))
+    if ds.offload_optimizer != "none":
+        errors.append(FieldError(field, f"{name} is the trainer's own optimizer, and {DS} steps offloaded optimizer "
+                                        f'state only with its own CPU Adam (got offload_optimizer '
+                                        f'"{ds.offload_optimizer}"); set deepspeed.offload_optimizer to "none" or '
+                                        'optimizer to "adamw" (accepted with offload: "adamw")', "conflict"))
+    if merger is not None and merger.out.optimizer_type is not None:
+        errors.append(FieldError("deepspeed.config.optimizer",
+                                 f"sets {DS}'s optimizer, but hyperparameters.optimizer is {name}, which the trainer "
+                                 'builds itself; remove the optimizer block or set optimizer to "adamw"', "conflict"))
+    return errors
 
 
 def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJob:
@@ -965,6 +1000,7 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
             if getattr(ds, key) == "nvme" and not ds.nvme_path:
                 errors.append(FieldError(f"deepspeed.config.zero_optimization.{key}.nvme_path",
                                          'offload to "nvme" needs nvme_path, a directory under the NVMe root'))
+    errors += optimizer_problems(spec, merger)
     world = spec.resources.num_gpus
     g, m, a = _resolve_batch(spec, world, raw_batch, limits, errors, notes, merger)
     hp = spec.hyperparameters

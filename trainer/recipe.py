@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, kernels, memory, swap, tuning
+from trainer import checkpoint, export, kernels, memory, oom, optim, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -25,7 +25,7 @@ from trainer.events import emit_rank0
 from trainer.fence import Fence
 from trainer.modeling import load_model, load_tokenizer, model_location
 from trainer.schedule import scheduler_factory
-from trainer.spec import RunSpec
+from trainer.spec import ResolvedJob, RunSpec
 
 # Dense bf16 peak FLOP/s per device, for MFU; an unknown device reports mfu null rather than a guess.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -125,6 +125,52 @@ def _skip_shared_memory_collectives() -> None:
         deepspeed.ops.__compatible_ops__[accel.get_op_builder("ShareMemCommBuilder").NAME] = False
 
 
+@dataclass
+class Session:
+    """What one attempt sets up once and every try of the OOM ladder reuses."""
+
+    run_spec: RunSpec
+    rank: int
+    world: int
+    device: str
+    stop: StopFlag
+    location: str
+    tokenizer: Any
+    train_blocks: Blocks
+    val_blocks: Blocks | None
+    rng: dict[str, Any]
+    forced: oom.ForcedOOM
+
+
+@dataclass
+class Guard:
+    """Where a try is, for the ladder: the phase that would run out of memory, whether it still adapts, the
+    setting it runs and the engine to tear down."""
+
+    phase: str = "setup"
+    active: bool = True
+    step: int = 0
+    setting: oom.MemorySetting | None = None
+    engine: Any = None
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    snap: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                            "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        snap["cuda"] = torch.cuda.get_rng_state_all()
+    return snap
+
+
+def _rng_restore(snap: dict[str, Any]) -> None:
+    # A retry must initialise (random init) and shuffle exactly as a fresh run with its setting would.
+    random.setstate(snap["python"])
+    np.random.set_state(snap["numpy"])
+    torch.set_rng_state(snap["torch"])
+    if "cuda" in snap:
+        torch.cuda.set_rng_state_all(snap["cuda"])
+
+
 def run(run_spec: RunSpec) -> None:
     job, paths = run_spec.job, run_spec.paths
     spec, hp = job.spec, job.spec.hyperparameters
@@ -132,16 +178,80 @@ def run(run_spec: RunSpec) -> None:
     _skip_shared_memory_collectives()
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    accel = get_accelerator()
-    device = accel.current_device_name()
     if world != job.world_size:
         # Batch sizes were resolved for job.world_size; another world size would silently change them.
         raise RuntimeError(f"launched with {world} processes but the job was resolved for {job.world_size}")
     stop = StopFlag()
-
     location = model_location(spec, paths)
     tokenizer = load_tokenizer(spec, location)
     train_blocks, val_blocks = load_blocks(spec.data, paths, tokenizer, hp.seq_len, hp.seed)
+    session = Session(run_spec, rank, world, get_accelerator().current_device_name(), stop, location, tokenizer,
+                      train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM())
+    setting: oom.MemorySetting | None = None
+    tried: list[dict[str, Any]] = []
+    while True:
+        _rng_restore(session.rng)
+        try:
+            _train(session, setting)
+            return
+        except oom.AdaptableOOM as exc:
+            failed, phase, step, message = exc.setting, exc.phase, exc.step, exc.message
+        # Outside the handler: the traceback, and the engine and model its frames hold, are gone now.
+        _free_device_memory()
+        tried.append(failed.shown())
+        found = oom.next_setting(failed, phase, per_rank=hp.global_batch_size // world,
+                                 offload_ok=oom.can_offload(job))
+        if found is None:
+            raise torch.OutOfMemoryError(
+                f"out of memory in the {phase} at step {step} with every setting of the on_oom ladder that applies "
+                f"(tried {tried}); last error: {message}")
+        setting, change = found
+        emit_rank0("adapted", phase=phase, step=step, error=message[:500], change=change,
+                   previous=failed.shown(), setting=setting.shown(), attempt=run_spec.attempt)
+        emit_rank0("resolved", micro_batch_size=setting.micro_batch_size,
+                   gradient_accumulation_steps=setting.gradient_accumulation_steps,
+                   reason=f"on_oom adapt after running out of memory in the {phase}: {change}")
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _with_setting(job: ResolvedJob, setting: oom.MemorySetting) -> ResolvedJob:
+    ds = job.spec.deepspeed.model_copy(update={"activation_checkpointing": setting.activation_checkpointing,
+                                               "offload_optimizer": setting.offload_optimizer})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"deepspeed": ds}),
+                                  "micro_batch_size": setting.micro_batch_size,
+                                  "gradient_accumulation_steps": setting.gradient_accumulation_steps})
+
+
+def _train(session: Session, setting: oom.MemorySetting | None) -> None:
+    """One try: setup -> resume -> train (eval, checkpoint) -> export. With `resources.on_oom: "adapt"` an
+    out-of-memory error before the end of the first oom.ADAPT_STEPS steps comes out as oom.AdaptableOOM."""
+    job = session.run_spec.job
+    guard = Guard(setting=setting)
+    try:
+        _setup_and_train(session, setting, guard)
+    except Exception as exc:
+        if not (job.spec.resources.on_oom == "adapt" and guard.active and oom.is_oom(exc)):
+            raise
+        if guard.engine is not None:
+            guard.engine.destroy()
+            guard.engine = None
+        failed = guard.setting or oom.initial(job, job.micro_batch_size, job.gradient_accumulation_steps)
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise oom.AdaptableOOM(guard.phase, guard.step, message, failed) from None
+
+
+def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard: Guard) -> None:
+    run_spec, world, device = session.run_spec, session.world, session.device
+    job = run_spec.job if setting is None else _with_setting(run_spec.job, setting)
+    spec, hp = job.spec, job.spec.hyperparameters
+    train_blocks, tokenizer, location = session.train_blocks, session.tokenizer, session.location
     model = load_model(spec, location, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -149,42 +259,64 @@ def run(run_spec: RunSpec) -> None:
     cfg, adjustments = ds_config(run_spec, swap_folder)
     plan = kernels.choose(job, _on_gpu(), model)
     adjustments += kernels.apply(model, plan)
-    zero = cfg.get("zero_optimization", {})
-    share = memory.offloaded_share(zero.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
-                                   int(zero.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
-    memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
-                              memory.available_host_bytes(), optimizer_share=share)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
-    if job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
+    if setting is None and job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
         micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
         accum = hp.global_batch_size // (micro * world)
-        cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
         emit_rank0("resolved", micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
+    setting = guard.setting = oom.initial(job, micro, accum)
+    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
+    zero_cfg = cfg.setdefault("zero_optimization", {})
+    if setting.offload_optimizer != "none" and "offload_optimizer" not in zero_cfg:
+        # The ladder's last rung; DeepSpeed's CPU Adam steps the offloaded state (torch_adam would replace it).
+        zero_cfg["offload_optimizer"] = {"device": setting.offload_optimizer, "pin_memory": True}
+        cfg.get("optimizer", {}).get("params", {}).pop("torch_adam", None)
+        adjustments.append("optimizer offloaded to the CPU by the on_oom ladder")
+    share = memory.offloaded_share(zero_cfg.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
+                                   int(zero_cfg.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
+    memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
+                              memory.available_host_bytes(), optimizer_share=share)
     adjustments += kernels.compile_for(model, plan)
     order = BatchOrder(len(train_blocks), micro=micro, accum=accum, world=world, seed=hp.seed)
     total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg,
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    session.forced.check("setup")
+    guard.engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=trainable, optimizer=optim.client_optimizer(job, trainable), config=cfg,
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
+    del model  # the engine holds it; a retry must be able to free it
+    _loop(session, job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable, adjustments,
+          swap_folder, guard)
 
+
+def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine: Any, scheduler: Any,
+          order: BatchOrder, total_steps: int, n_params: int, n_trainable: int,
+          adjustments: list[str], swap_folder: Path | None, guard: Guard) -> None:
+    run_spec, rank, world, device = session.run_spec, session.rank, session.world, session.device
+    paths, spec, hp = run_spec.paths, job.spec, job.spec.hyperparameters
+    accel = get_accelerator()
+    train_blocks, val_blocks, stop = session.train_blocks, session.val_blocks, session.stop
+    micro = setting.micro_batch_size
     ckpt_dir = Path(paths.checkpoint_dir)
     fence = Fence(Path(paths.job_dir), run_spec.attempt)
     state = checkpoint.resume(engine, ckpt_dir, rank, fence) or TrainerState()
     emit_rank0("started", world_size=world, total_steps=total_steps,
                resumed_from_step=state.step if state.step else None, micro_batch_size=micro,
-               gradient_accumulation_steps=accum,
+               gradient_accumulation_steps=setting.gradient_accumulation_steps,
                packing_efficiency=round(train_blocks.packing_efficiency, 4), n_params=n_params,
                n_trainable_params=n_trainable, adjustments=adjustments, device=accel.device_name(),
-               attempt=run_spec.attempt)
+               attempt=run_spec.attempt, optimizer=hp.optimizer, on_oom=spec.resources.on_oom,
+               memory_setting=setting.shown())
 
-    flops_token = _flops_per_token(getattr(model, "config", None), n_params, hp.seq_len)
+    flops_token = _flops_per_token(getattr(engine.module, "config", None), n_params, hp.seq_len)
     peak = _peak_flops()
     every = spec.checkpointing.every_steps
     eval_every = hp.eval_every_steps if val_blocks is not None else None
     progress = Progress(window_start=time.time())
     run_start, start_step = time.time(), state.step
+    guard.step = state.step
     if accel.device_name() == "cuda":
         accel.reset_peak_memory_stats()
 
@@ -197,13 +329,23 @@ def run(run_spec: RunSpec) -> None:
         # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
         scale = order.accum * world / max(1, label_tokens)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        for rows in order.micro_rows(state.epoch, state.next_batch, rank):
+        for k, rows in enumerate(order.micro_rows(state.epoch, state.next_batch, rank)):
+            if guard.active:
+                guard.phase = "forward"
+                session.forced.check("forward")
             loss = token_loss_sum(engine, train_blocks.batch(rows), device)
             engine.backward(loss * scale)
             loss_sum += loss.detach().float()  # no host sync per micro batch
             lr = scheduler.get_last_lr()[0]
+            if guard.active and k == order.accum - 1:
+                # The boundary's engine.step runs the optimizer (and, the first time, allocates its state).
+                guard.phase = "step"
+                session.forced.check("step")
             engine.step()
         state.step += 1
+        guard.step = state.step
+        if guard.active and state.step - start_step >= oom.ADAPT_STEPS:
+            guard.active = False
         state.tokens_seen += real_tokens
         state.next_batch += 1
         if state.next_batch >= order.batches_per_epoch:
@@ -237,6 +379,7 @@ def run(run_spec: RunSpec) -> None:
             raise Interrupted(state.step)
         if every and state.step % every == 0:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
+    guard.active = False
 
     if val_blocks is not None:
         loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
@@ -244,7 +387,7 @@ def run(run_spec: RunSpec) -> None:
     # The optimizer's state is dead weight now; an offloaded one fills most of host memory, where the
     # export then builds the model's files.
     memory.release_optimizer_state(engine)
-    export.export(engine, tokenizer, spec, location, Path(paths.output_dir), rank, state.step,
+    export.export(engine, session.tokenizer, spec, session.location, Path(paths.output_dir), rank, state.step,
                   state.last_loss, fence)
     # export() ends on a barrier: no rank swaps any more. One process per node clears the node's folder.
     if swap_folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:

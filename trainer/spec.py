@@ -183,6 +183,12 @@ class Hyperparameters(_Strict):
     seq_len: int = Field(default=2048, ge=8, le=131_072)
     seed: int = Field(default=42, ge=0, le=MAX_SEED, description="0 to 2**32 - 1 (what numpy accepts)")
     eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
+    optimizer: Literal["adamw", "adamw_bf16"] = Field(
+        default="adamw",
+        description="adamw: DeepSpeed's AdamW with fp32 master weights and moments (16 bytes of optimizer state per "
+                    "trained parameter); adamw_bf16: master weights and both moments in bf16, each written back with "
+                    "stochastic rounding (6 bytes), for full fine-tunes of models that do not fit otherwise; needs "
+                    'precision "bf16", ZeRO stage 1-3 and no optimizer offload')
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -240,6 +246,12 @@ class Resources(_Strict):
     num_gpus: int = Field(default=1, ge=1, le=64, description="Launcher processes per node")
     queue: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     time_limit_seconds: int = Field(default=24 * 3600, ge=10, le=30 * 24 * 3600)
+    on_oom: Literal["fail", "adapt"] = Field(
+        default="fail",
+        description="fail: a GPU out-of-memory error fails the job; adapt: an out-of-memory error during setup or the "
+                    "first optimizer steps restarts the attempt in place with the next setting of the ladder (a "
+                    "smaller micro batch with more accumulation, the same global batch; then activation "
+                    "checkpointing; then the optimizer offloaded to the CPU), reported in `adapted` events")
 
 
 class Checkpointing(_Strict):

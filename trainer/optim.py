@@ -1,0 +1,133 @@
+"""The optimizer a job names (`hyperparameters.optimizer`), for the ones DeepSpeed does not build itself.
+
+"adamw" is DeepSpeed's own (FusedAdam on the GPU, CPU Adam for offload): fp32 master weights and two fp32
+moments, 16 bytes of optimizer state per trained parameter on top of the 16-bit weights and gradients.
+
+"adamw_bf16" is `AdamWBF16` below, handed to `deepspeed.initialize` as a client optimizer with
+`bf16.bf16_master_weights_and_grads` and `bf16.bf16_optimizer_states` in the rendered config, so ZeRO keeps its
+master partitions, gradients and this optimizer's moments in bf16: 6 bytes of state per parameter instead of 16.
+A bf16 master weight alone would stall: bf16 has 8 bits of mantissa, so an update smaller than half a unit in the
+last place (a weight of 0.02 has a step of 1.2e-4; lr 1e-5 × an Adam step of ~1 is far below it) rounds back to
+the old value every time. Stochastic rounding rounds up with probability equal to the discarded fraction, so the
+expected stored value is the exact fp32 result and small updates accumulate on average (Zamirai et al. 2020,
+"Revisiting BFloat16 Training"; the same scheme as torchao's `bf16_stochastic_round`). The moments are rounded
+the same way: exp_avg_sq moves by (1 - beta2) × g² per step, far below its own half-ulp.
+
+How it meets ZeRO (DeepSpeed 0.19.8's `runtime/zero/stage_1_and_2.py`, `stage3.py`, `base_optimizer.py`): ZeRO
+replaces the optimizer's parameters with its flat master partitions (one per parameter group at stages 1-2, one
+per sub-group at stage 3) and calls `step()` on them; their dtype is bf16 when the config asks for bf16 master
+weights. A partition holds up to every parameter of the model (8 B elements for an 8B model on one GPU), so the
+update runs over chunks of CHUNK elements: fp32 temporaries of a whole partition would need more memory than the
+state saved. With optimizer offload DeepSpeed insists on its own CPU Adam (`zero_force_ds_cpu_optimizer`), so
+the job schema refuses that combination (trainer/dsconfig.optimizer_problems).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from trainer.spec import ResolvedJob
+
+# Elements per chunk of the update: 64 Mi elements keep the fp32 temporaries near 1.5 GiB.
+CHUNK = 1 << 26
+ADAM_EPS = 1e-8  # DeepSpeed's Adam default, which "adamw" renders too
+# Bytes of optimizer state per trained parameter that each choice adds beyond the 16-bit weight and gradient
+# (what the micro-batch probe must leave free): fp32 master + 2 fp32 moments, or bf16 master + 2 bf16 moments.
+STATE_BYTES = {"adamw": 12.0, "adamw_bf16": 6.0}
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability equal to the dropped fraction of the last place.
+
+    bf16 is the top half of an fp32: adding a uniform 16-bit integer to the bits and cutting the low half rounds
+    the magnitude up exactly when the noise carries into bit 16. Sign-magnitude bits make it symmetric for
+    negative values. Inf and NaN are left as they are (their exponent is all ones; a carry would corrupt them).
+    """
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    rounded = (bits + noise).bitwise_and_(-65536).view(torch.float32)
+    rounded = torch.where(torch.isfinite(x), rounded, x)
+    return rounded.to(torch.bfloat16)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) on bf16 parameters with bf16 moments; the arithmetic is fp32, every stored
+    value is written back with stochastic rounding. fp32 parameters are updated exactly (no rounding needed).
+
+    The rounding noise is a pure function of (seed, step, the parameter's index, chunk), so a run resumed from
+    a checkpoint (which holds `step` and `index` in each parameter's state) rounds exactly as the uninterrupted
+    run did, with no generator state to save.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float = ADAM_EPS,
+                 weight_decay: float = 0.0, seed: int = 0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    # Moments in the parameter's own dtype: bf16 under bf16 master weights.
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["index"] = sum(len(s) > 0 for s in self.state.values()) - 1
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = int(state["step"].item())
+                gen = self._generator(p.device, (self.seed * 1_000_003 + step * 7_919 + int(state["index"])) % 2**63)
+                _update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], gen, lr=group["lr"], beta1=beta1,
+                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        return loss
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            gen: torch.Generator, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+            step: int) -> None:
+    # ZeRO's partitions are contiguous; anything else is updated whole (it is a small tensor then).
+    flat = p.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
+    views = (p.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)) if flat else (p, grad, exp_avg,
+                                                                                              exp_avg_sq)
+    n = views[0].numel()
+    chunk = CHUNK if flat else max(n, 1)
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    for start in range(0, n, chunk):
+        w_s, g_s, m_s, v_s = (t[start:start + chunk] for t in views) if flat else views
+        g = g_s.float()
+        m = m_s.float().mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v = v_s.float().mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        del g
+        denom = (v / bc2).sqrt_().add_(eps)
+        w = w_s.float()
+        if weight_decay:
+            w.mul_(1.0 - lr * weight_decay)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        del denom
+        for stored, exact in ((w_s, w), (m_s, m), (v_s, v)):
+            stored.copy_(stochastic_round_to_bf16(exact, gen) if stored.dtype == torch.bfloat16 else exact)
+
+
+def client_optimizer(job: ResolvedJob, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The optimizer object to hand `deepspeed.initialize`, or None where DeepSpeed builds its own ("adamw")."""
+    hp = job.spec.hyperparameters
+    if hp.optimizer == "adamw":
+        return None
+    return AdamWBF16(params, lr=hp.learning_rate, betas=tuple(hp.adam_betas), eps=ADAM_EPS,
+                     weight_decay=hp.weight_decay, seed=hp.seed)
