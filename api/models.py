@@ -56,10 +56,10 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
     queue: Mapped[str] = mapped_column(String(64), nullable=False, default="default")
-    # The submitting key's owner; no server default, so a writer that forgets it fails instead of
-    # filing the job under someone else.
-    owner: Mapped[str] = mapped_column(String(64), nullable=False)
-    gpus: Mapped[int] = mapped_column(Integer, nullable=False, default=1)  # what the quota's max_gpus counts
+    # The submitting key's owner (the API always sets it; rows written around the API land under `default`,
+    # where jobs from before keys are).
+    owner: Mapped[str] = mapped_column(String(64), nullable=False, server_default="default")
+    gpus: Mapped[int] = mapped_column(Integer, nullable=False, server_default="1")  # what max_gpus counts
     request: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     resolved: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     job_dir: Mapped[str] = mapped_column(Text, nullable=False)

@@ -10,15 +10,17 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import StringConstraints
 
 from api import feeds, reads
-from api.deps import RedisDep, SessionDep, SettingsDep
-from api.errors import invalid, responses
+from api.access import Principal, Scope
+from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, scoped
+from api.errors import ApiError, ErrorCode, invalid, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
+from api.services import idempotency
 from api.services import jobs as service
 from trainer.dsconfig import FieldError
 
-# Every route may answer these: the token is checked, the body measured and the stores reached for each.
-COMMON = (401, 413, 422, 503)
+# Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
+COMMON = (401, 403, 413, 422, 503)
 router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=StrictJSONRoute,
                    responses=responses(*COMMON))
 
@@ -38,31 +40,53 @@ ID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
 JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job id, as `POST /jobs` returned it")]
 Cursor = Annotated[int, Query(ge=0, le=MAX_SEQ, description="Events after this id (0: from the start)")]
 EventType = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
+READ, WRITE = scoped(Scope.JOBS_READ), scoped(Scope.JOBS_WRITE)
 
 
-@router.post("", status_code=201, response_model=Job)
-async def create_job(spec: JobCreate, settings: SettingsDep) -> Response:
-    return JSONBytes(await service.create(settings=settings, spec=spec), status_code=201)
+def owner_of(caller: Principal) -> str | None:
+    """Whose jobs the caller may see: its own owner's, or every owner's (None) for an admin."""
+    return None if caller.admin else caller.owner
 
 
-@router.get("", response_model=JobList)
-async def list_jobs(status: Annotated[JobStatus | None, Query()] = None,
+@router.post("", status_code=201, response_model=Job, responses=responses(409, 429), openapi_extra=WRITE)
+async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
+                     idempotency_key: Annotated[str | None, Header(
+                         alias=idempotency.HEADER, pattern=r"^[\x21-\x7e]{1,255}$",
+                         description="Makes retries safe: a retry with the same key and body gets the first answer "
+                                     "again (no second job); the same key with another body is a 409. Per owner, "
+                                     "kept at least 24 h")] = None) -> Response:
+    """Submits a job under the key's owner, within the owner's quota (429 `quota_exceeded` beyond it)."""
+    status, body = await service.create(settings=settings, spec=spec, caller=caller, idempotency_key=idempotency_key)
+    return JSONBytes(body, status_code=status)
+
+
+@router.get("", response_model=JobList, openapi_extra=READ)
+async def list_jobs(caller: CallerDep,
+                    status: Annotated[JobStatus | None, Query()] = None,
                     queue: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None,
+                    owner: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+                        "Only this owner's jobs (admin; other keys see only their own owner's)"))] = None,
                     limit: Annotated[int, Query(ge=1, le=200)] = 20,
                     after: Annotated[str | None, Query(pattern=ID_PATTERN,
                                                        description="The last id of the previous page")] = None,
                     ) -> Response:
-    return JSONBytes(await reads.jobs_page(status=status, queue=queue, limit=limit, after=after))
+    """The caller's owner's jobs, newest first; an admin sees every owner's (or one's, with `owner`)."""
+    if not caller.admin:
+        if owner is not None and owner != caller.owner:
+            raise ApiError(403, ErrorCode.FORBIDDEN, "listing another owner's jobs needs the scope 'admin'", "owner")
+        owner = caller.owner
+    return JSONBytes(await reads.jobs_page(status=status, queue=queue, limit=limit, after=after, owner=owner))
 
 
-@router.get("/{job_id}", response_model=Job, responses=responses(404))
-async def get_job(job_id: JobId) -> Response:
-    return JSONBytes(await reads.job(job_id))
+@router.get("/{job_id}", response_model=Job, responses=responses(404), openapi_extra=READ)
+async def get_job(job_id: JobId, caller: CallerDep) -> Response:
+    return JSONBytes(await reads.job(job_id, owner_of(caller)))
 
 
-@router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409))
-def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> Response:
-    service.cancel(session=session, client=client, job_id=job_id)
+@router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409),
+             openapi_extra=WRITE)
+def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep, caller: CallerDep) -> Response:
+    service.cancel(session=session, client=client, job_id=job_id, caller=caller)
     # The same bytes a read gives (Postgres renders every job response, timestamps included).
     return JSONBytes(anyio.from_thread.run(reads.job, job_id), status_code=202)
 
@@ -70,8 +94,8 @@ def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep) -> Response
 @router.get("/{job_id}/events", response_model=EventPage,
             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                              "description": "A page of events, or with `Accept: text/event-stream` a live stream"},
-                       **responses(404)})
-async def job_events(request: Request, job_id: JobId, after: Cursor = 0,
+                       **responses(404)}, openapi_extra=READ)
+async def job_events(request: Request, job_id: JobId, caller: CallerDep, after: Cursor = 0,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                      type: Annotated[list[EventType] | None, Query(max_length=20,
                                                                    description="Only these event types")] = None,
@@ -84,12 +108,14 @@ async def job_events(request: Request, job_id: JobId, after: Cursor = 0,
         if int(last_event_id) > MAX_SEQ:
             raise invalid([FieldError("Last-Event-ID", f"must be an event id from 0 to {MAX_SEQ}")])
         after = int(last_event_id)
+    owner = owner_of(caller)
     if "text/event-stream" in request.headers.get("accept", ""):
-        if not await reads.exists(job_id):
+        # A job's owner never changes: checked once here, the feed (shared by every follower) needs no owner.
+        if not await reads.exists(job_id, owner):
             raise reads.not_found(job_id)
         return StreamingResponse(feeds.follow(job_id, after, type, feeds.sse), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    return JSONBytes(await reads.events_page(job_id, after=after, limit=limit, types=type))
+    return JSONBytes(await reads.events_page(job_id, after=after, limit=limit, types=type, owner=owner))
 
 
 # response_class=Response (no media type of its own) keeps the error responses documented as JSON, which
@@ -97,10 +123,10 @@ async def job_events(request: Request, job_id: JobId, after: Cursor = 0,
 @router.get("/{job_id}/logs", response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "The log as text; with `follow=true` streamed until the job ends"},
-                       **responses(404)})
-async def job_logs(job_id: JobId, follow: bool = False, after: Cursor = 0) -> Response:
+                       **responses(404)}, openapi_extra=READ)
+async def job_logs(job_id: JobId, caller: CallerDep, follow: bool = False, after: Cursor = 0) -> Response:
     """Every rank's output as plain text; `follow=true` streams until the job ends (`curl -N`)."""
-    if not await reads.exists(job_id):
+    if not await reads.exists(job_id, owner_of(caller)):
         raise reads.not_found(job_id)
     if follow:
         return StreamingResponse(feeds.follow(job_id, after, ["log"], feeds.log_line),
