@@ -39,9 +39,9 @@ class KeyAuth:
     scope, before anything else runs: the body is neither read nor measured for a caller who may not send it.
 
     The route's scope is the `x-scope` its decorator declares (`api.deps.scoped`); a route that declares
-    none needs `admin`, so a new route is closed until it says otherwise. The principal goes into the
-    request's state for the route (`api.deps.CallerDep`). Keys are checked through the process's cache
-    (api/access.py): no database round trip for a key seen in the last seconds.
+    none, and a path no route serves, needs `admin`: a new route is closed until it says otherwise. The
+    principal goes into the request's state for the route (`api.deps.CallerDep`). Keys are checked through
+    the process's cache (api/access.py): no database round trip for a key seen in the last seconds.
     """
 
     def __init__(self, app: ASGIApp, routes: list[BaseRoute], allow_anonymous: bool = False) -> None:
@@ -50,13 +50,16 @@ class KeyAuth:
         self.allow_anonymous = allow_anonymous
 
     def required_scope(self, scope: Scope) -> str | None:
-        """The scope the request's route needs; None where no route matches (the router answers 404/405)."""
+        """The scope the request's route needs; None for a known path with another method (the router
+        answers 405)."""
+        partial = False
         for route in self.routes:
             match, _ = route.matches(scope)
             if match is Match.FULL:
                 extra = getattr(route, "openapi_extra", None) or {}
                 return str(extra.get("x-scope", access.Scope.ADMIN.value))
-        return None
+            partial = partial or match is Match.PARTIAL
+        return None if partial else access.Scope.ADMIN.value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:

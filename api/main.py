@@ -77,14 +77,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
     errors.install(app)
-    app.include_router(health.router)
-    app.include_router(jobs.router)
-    app.include_router(keys.router)
-    app.include_router(owners.router)
-    app.include_router(audit.router)
+    routers = (health.router, jobs.router, keys.router, owners.router, audit.router)
+    for router in routers:
+        app.include_router(router)
     # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-    app.add_middleware(KeyAuth, routes=app.router.routes, allow_anonymous=settings.allow_anonymous)
+    # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
+    # FastAPI's wrappers of included routers.
+    app.add_middleware(KeyAuth, routes=[r for router in routers for r in router.routes],
+                       allow_anonymous=settings.allow_anonymous)
     app.openapi = partial(openapi_with_bearer, app)  # type: ignore[method-assign]
     return app
 

@@ -19,7 +19,7 @@ import httpx
 
 from scripts.client import follow, progress_line, submit
 from scripts.corpus import write_corpus
-from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
+from scripts.stack import ROOT, Stack, database_exists_or_create, ensure_dev_key, migrate
 
 DEMO_JOB = ROOT / "examples" / "demo-job.json"
 
@@ -47,10 +47,10 @@ def check_export(path: str) -> str:
     return tok.decode(out[0], skip_special_tokens=True)
 
 
-def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
-    """Submit and follow one job; returns its final state and the figures measured on the way."""
+def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | None = None) -> dict[str, Any]:
+    """Submit and follow one job with the API key `key`; returns its final state and the figures measured."""
     t0 = time.monotonic()
-    created = submit(stack.api_url, job)
+    created = submit(stack.api_url, job, token=key)
     job_id = created["id"]
     figures: dict[str, Any] = {"job_id": job_id, "first_progress_s": None, "losses": []}
     if not quiet:
@@ -72,9 +72,10 @@ def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False) -> dict[str
             print(f"\n[eval] step {ev.get('step')} loss {ev.get('loss'):.4f} perplexity {ev.get('perplexity'):.1f}",
                   flush=True)
 
-    follow(stack.api_url, job_id, on_event)
+    follow(stack.api_url, job_id, on_event, token=key)
     figures["wall_s"] = time.monotonic() - t0
-    figures["job"] = httpx.get(f"{stack.api_url}/jobs/{job_id}", timeout=10).json()
+    figures["job"] = httpx.get(f"{stack.api_url}/jobs/{job_id}", timeout=10,
+                               headers={"Authorization": f"Bearer {key}"} if key else {}).json()
     return figures
 
 
@@ -88,13 +89,15 @@ def main() -> int:
     database_exists_or_create(settings.database_url)
     env = dict(os.environ)
     migrate(env)
+    # The API requires a key in development too; the demo makes (or reuses) the dev stack's own.
+    key = ensure_dev_key() if settings.development else os.environ.get("FT_KEY")
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()
     stack.start_worker()
     try:
         stack.wait_ready()
-        figures = run_demo(stack, json.loads(DEMO_JOB.read_text()))
+        figures = run_demo(stack, json.loads(DEMO_JOB.read_text()), key=key)
     finally:
         stack.stop()
     job = figures["job"]
@@ -103,7 +106,8 @@ def main() -> int:
     print(f"\njob {job['id']} {job['status']} (attempt {job['attempt']}) in {figures['wall_s']:.1f} s")
     if job["status"] != "succeeded":
         print(json.dumps(job["error"], indent=2))
-        print(f"logs: curl {stack.api_url}/jobs/{job['id']}/logs  (stack logs in {stack.log_dir})")
+        print(f"logs: curl -H \"Authorization: Bearer $(cat var/dev-key)\" {stack.api_url}/jobs/{job['id']}/logs  "
+              f"(stack logs in {stack.log_dir})")
         return 1
     print(f"  steps {p.get('step')}/{p.get('total_steps')}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"{p.get('tokens_per_second') or 0:,.0f} tokens/s")

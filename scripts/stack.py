@@ -37,6 +37,35 @@ def migrate(env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True)
 
 
+DEV_KEY = ROOT / "var" / "dev-key"
+
+
+def ensure_dev_key(path: Path = DEV_KEY) -> str:
+    """The development stack's admin key (owner `default`), kept in var/dev-key (mode 600): reused while it
+    still works in this database, made anew otherwise. This is how `make up` and `make demo` work without a
+    manual step while the API requires a key like production does."""
+    from sqlalchemy import text
+
+    from api import access
+    from api.db import _factory
+    from api.services import keys
+
+    with _factory()() as session:
+        if path.is_file():
+            key = path.read_text().strip()
+            if session.execute(text(
+                    "SELECT 1 FROM api_keys WHERE secret_hash = :h AND revoked_at IS NULL "
+                    "AND (expires_at IS NULL OR expires_at > now())"), {"h": access.digest(key.encode())}).first():
+                return key
+        _, key = keys.create(session=session, owner="default", scopes=["admin"],
+                             name="development (make up, make demo)", actor=None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(key + "\n")
+    return key
+
+
 class Stack:
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         self.env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
@@ -109,6 +138,8 @@ def main() -> int:
     settings = get_settings()
     database_exists_or_create(settings.database_url)
     migrate(env)
+    if settings.development:
+        ensure_dev_key()
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()
@@ -116,6 +147,9 @@ def main() -> int:
     stack.wait_ready()
     print(f"API on {stack.api_url} (docs at {stack.api_url}/docs); logs in {stack.log_dir}; Ctrl-C stops all.",
           flush=True)
+    if settings.development:
+        print(f"admin key of owner 'default' in {DEV_KEY.relative_to(ROOT)}: export FT_KEY=$(cat {DEV_KEY})",
+              flush=True)
     stopping = False
 
     def stop(*_: object) -> None:

@@ -1,12 +1,14 @@
 """An API process of a test's own (uvicorn, a fresh database, no worker), and a TCP proxy that can cut it off.
 
-The hostile-input and fuzz tests start their own API: with a token, pointed at a dead port, or behind a
-proxy they cut, none of which the session's shared stack may be.
+The hostile-input, fuzz and access tests start their own API: in production mode with keys required,
+pointed at a dead port, or behind a proxy they cut, none of which the session's shared stack may be.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -38,6 +41,22 @@ def fresh_database() -> Iterator[str]:
     finally:
         with psycopg.connect(PG, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def fixed_key(label: str) -> str:
+    """A well-formed API key whose secret a test chooses (so it can name it at import time, in parameters)."""
+    return "ftk_" + (label * 43)[:43]
+
+
+def add_key(database_url: str, key: str, owner: str = "default", scopes: tuple[str, ...] = ("admin",),
+            expires_at: datetime | None = None) -> str:
+    """Stores `key` as the service does (its SHA-256 only); returns its id."""
+    key_id = "key_" + secrets.token_hex(8)
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("INSERT INTO api_keys (id, secret_hash, prefix, owner, scopes, name, expires_at) "
+                     "VALUES (%s, %s, %s, %s, %s, 'tests', %s)",
+                     (key_id, hashlib.sha256(key.encode()).digest(), key[:12], owner, list(scopes), expires_at))
+    return key_id
 
 
 def make_roots(base: Path) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Inputs that once made the API answer 500 (or worse), each pinned to the 4xx it must get now.
 
-Every case runs against a real API process (uvicorn) with a token set, on a fresh database and this
+Every case runs against a real API process (uvicorn) requiring API keys, on a fresh database and this
 session's Redis database; jobs go to a queue no worker serves. The outage cases point an API at a
 dead port or at a proxy the test cuts: the machine's Postgres and Redis are never touched.
 """
@@ -24,11 +24,11 @@ import httpx
 import pytest
 
 from scripts.stack import ROOT
-from tests.apiproc import ApiProcess, TcpProxy, fresh_database, make_roots
+from tests.apiproc import ApiProcess, TcpProxy, add_key, fixed_key, fresh_database, make_roots
 from tests.helpers import free_port, wait_for
 from trainer.spec import RAW_CONFIG_MAX_BYTES, json_problem
 
-TOKEN = "hostile-test-token"
+TOKEN = fixed_key("hostile")  # an admin key, stored in the module's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 QUEUE = "parked-hostile"  # no worker serves it
 BASE_JOB: dict[str, Any] = {
@@ -48,13 +48,14 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def hostile_db() -> Iterator[str]:
     with fresh_database() as url:
+        add_key(url, TOKEN)
         yield url
 
 
 @pytest.fixture(scope="module")
 def guarded(hostile_db: str, redis_url: str, roots: dict[str, str],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
-    proc = ApiProcess({"FT_DATABASE_URL": hostile_db, "FT_REDIS_URL": redis_url, "FT_API_TOKEN": TOKEN,
+    proc = ApiProcess({"FT_DATABASE_URL": hostile_db, "FT_REDIS_URL": redis_url,
                        "FT_ENV": "production", **roots}, tmp_path_factory.mktemp("logs") / "guarded.log")
     try:
         yield proc.start()
@@ -285,16 +286,16 @@ def test_a_valid_last_event_id_resumes_after_it(client: httpx.Client, ended_job:
     assert "id: 1\n" not in r.text and "id: 2\n" in r.text and "cancelled" in r.text
 
 
-# -- authentication: checked first, by bytes, on everything but the probes and the docs --
+# -- authentication: checked first, on everything but the probes and the docs --
 
 
-def test_no_token_is_401_before_the_body_is_validated(guarded: ApiProcess) -> None:
+def test_no_key_is_401_before_the_body_is_validated(guarded: ApiProcess) -> None:
     r = httpx.post(guarded.url + "/jobs", json={"colour": "blue"})
     err = assert_error(r, 401, "authorization")
     assert err["code"] == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
 
 
-def test_no_token_is_401_before_a_huge_body_is_read(guarded: ApiProcess) -> None:
+def test_no_key_is_401_before_a_huge_body_is_read(guarded: ApiProcess) -> None:
     r = httpx.post(guarded.url + "/jobs", content=b"x" * (20 * 1024 * 1024),
                    headers={"content-type": "application/json"}, timeout=30)
     assert_error(r, 401)
@@ -304,18 +305,18 @@ def test_no_token_is_401_before_a_huge_body_is_read(guarded: ApiProcess) -> None
     "Bearer wrong", f"Basic {TOKEN}", TOKEN, "Bearer", "", "Bearer " + TOKEN + "x",
     "Bearer h\u00f6stile-t\u00e9st".encode(), b"Bearer \xff\xfe", ("Bearer " + "\u00e9" * 2000).encode(),
 ], ids=["wrong", "basic", "no scheme", "no token", "empty", "longer", "non-ASCII", "not UTF-8", "4 KB"])
-def test_bad_tokens_are_401(guarded: ApiProcess, value: str | bytes) -> None:
+def test_bad_keys_are_401(guarded: ApiProcess, value: str | bytes) -> None:
     for method, path in (("GET", "/jobs"), ("POST", "/jobs"), ("GET", "/jobs/job_x/events")):
         r = httpx.request(method, guarded.url + path, headers={"Authorization": value}, timeout=10)
         assert_error(r, 401)
 
 
-def test_the_right_token_in_any_case_of_scheme_is_accepted(guarded: ApiProcess) -> None:
+def test_the_right_key_in_any_case_of_scheme_is_accepted(guarded: ApiProcess) -> None:
     for scheme in ("Bearer", "bearer", "BEARER"):
         assert httpx.get(guarded.url + "/jobs", headers={"Authorization": f"{scheme} {TOKEN}"}).status_code == 200
 
 
-def test_probes_and_docs_need_no_token(guarded: ApiProcess) -> None:
+def test_probes_and_docs_need_no_key(guarded: ApiProcess) -> None:
     for path in ("/healthz", "/readyz", "/docs", "/openapi.json"):
         assert httpx.get(guarded.url + path).status_code == 200, path
     assert_error(httpx.get(guarded.url + "/jobs"), 401)
@@ -367,21 +368,39 @@ def test_a_body_just_under_the_limit_is_read_and_validated(client: httpx.Client)
 # -- startup: a misconfigured API refuses to start --
 
 
-def test_production_without_a_token_refuses_to_start(hostile_db: str) -> None:
-    env = {**os.environ, "FT_ENV": "production", "FT_API_TOKEN": "", "FT_DATABASE_URL": hostile_db}
-    port = str(free_port())
-    argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", port]
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "the API cannot start" in done.stderr and "FT_API_TOKEN must be set" in done.stderr, done.stderr[-2000:]
-    # The control: the same command with a token starts and serves.
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, "FT_API_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API with a token to start")
-    finally:
-        proc.terminate()
-        proc.wait(15)
+def test_production_without_an_admin_key_refuses_to_start() -> None:
+    with fresh_database() as database:
+        env = {**os.environ, "FT_ENV": "production", "FT_DATABASE_URL": database}
+        port = str(free_port())
+        # Two processes, as `make up` and compose run it: the parent must stop too, not restart its children.
+        argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", port,
+                "--workers", "2"]
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert "the API cannot start" in done.stderr and "no working admin key" in done.stderr, done.stderr[-2000:]
+        assert "python -m api.keys create --owner NAME --scopes admin" in done.stderr
+        # A key without the admin scope is not enough; an expired or revoked admin key neither.
+        add_key(database, fixed_key("reader"), "team", ("jobs:write",))
+        assert subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120).returncode != 0
+        # The control: with an admin key the same command starts and serves.
+        add_key(database, fixed_key("admin"))
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API with an admin key to start")
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"FT_API_TOKEN": "old-shared-token"}, "FT_API_TOKEN was removed"),
+    ({"FT_ALLOW_ANONYMOUS": "true", "FT_ENV": "production"}, "FT_ALLOW_ANONYMOUS is for development only"),
+], ids=["the old shared token", "anonymous outside development"])
+def test_unsafe_settings_refuse_to_start(hostile_db: str, env: dict[str, str], says: str) -> None:
+    argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(free_port())]
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, "FT_DATABASE_URL": hostile_db, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "the API cannot start" in done.stderr and says in done.stderr, done.stderr[-2000:]
 
 
 def _answers(url: str) -> bool:
@@ -410,7 +429,7 @@ def test_postgres_down_then_back_then_restarting(hostile_db: str, redis_url: str
                                                  tmp_path: Path) -> None:
     proxy = TcpProxy(5432)
     db_via_proxy = hostile_db.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    api = ApiProcess({"FT_DATABASE_URL": db_via_proxy, "FT_REDIS_URL": redis_url, "FT_API_TOKEN": TOKEN, **roots},
+    api = ApiProcess({"FT_DATABASE_URL": db_via_proxy, "FT_REDIS_URL": redis_url, **roots},
                      tmp_path / "api.log").start()
     try:
         with httpx.Client(base_url=api.url, headers=AUTH, timeout=30) as c:
@@ -467,7 +486,7 @@ def test_postgres_down_then_back_then_restarting(hostile_db: str, redis_url: str
 def test_redis_down_enqueue_is_deferred_and_cancel_is_503(hostile_db: str, roots: dict[str, str],
                                                            tmp_path: Path) -> None:
     api = ApiProcess({"FT_DATABASE_URL": hostile_db, "FT_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-                      "FT_API_TOKEN": TOKEN, **roots}, tmp_path / "api.log").start()
+                      **roots}, tmp_path / "api.log").start()
     try:
         with httpx.Client(base_url=api.url, headers=AUTH, timeout=30) as c:
             # The row is committed and the reaper re-sends it once Redis is back: a 201, not a 503.

@@ -16,6 +16,8 @@ from api.models import ApiKey
 from api.services import audit
 from trainer.dsconfig import FieldError
 
+MAX_DAYS = 100 * 366  # a farther expiry means none; the bound keeps dates near Python's year 9999 out
+
 
 def new_id() -> str:
     return "key_" + secrets.token_hex(8)
@@ -34,8 +36,11 @@ def create(*, session: Session, owner: str, scopes: list[str], name: str = "", e
     if expires_at is not None:
         if expires_at.tzinfo is None:
             raise invalid([FieldError("expires_at", "needs a time zone (say, 2027-01-01T00:00:00Z)")])
-        if expires_at <= datetime.now(timezone.utc):
+        now = datetime.now(timezone.utc)
+        if expires_at <= now:
             raise invalid([FieldError("expires_at", "is in the past; give a future time or null for no expiry")])
+        if expires_at.year >= 9000 or (expires_at - now).days > MAX_DAYS:
+            raise invalid([FieldError("expires_at", f"is more than {MAX_DAYS} days away; give null for no expiry")])
     secret = access.new_key()
     key = ApiKey(id=new_id(), secret_hash=access.digest(secret.encode()), prefix=secret[:access.SHOWN_PREFIX],
                  owner=owner, scopes=sorted(set(scopes)), name=name, expires_at=expires_at,
