@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -372,15 +373,19 @@ def test_production_without_an_admin_key_refuses_to_start() -> None:
     with fresh_database() as database:
         env = {**os.environ, "FT_ENV": "production", "FT_DATABASE_URL": database}
         port = str(free_port())
-        # Two processes, as `make up` and compose run it: the parent must stop too, not restart its children.
-        argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", port,
-                "--workers", "2"]
+        argv = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", port]
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0
         assert "the API cannot start" in done.stderr and "no working admin key" in done.stderr, done.stderr[-2000:]
         assert "python -m api.keys create --owner NAME --scopes admin" in done.stderr
-        # A key without the admin scope is not enough; an expired or revoked admin key neither.
-        add_key(database, fixed_key("reader"), "team", ("jobs:write",))
+        # Several processes, as `make up` and compose run it: the parent stops too (uvicorn's parent exits 0
+        # then), rather than restarting its children for ever.
+        several = subprocess.run([*argv, "--workers", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert "no working admin key" in several.stderr and "stopping the parent process" in several.stderr
+        # A key without the admin scope is not enough, nor an expired admin key.
+        add_key(database, fixed_key("writer"), "team", ("jobs:write",))
+        add_key(database, fixed_key("expired"), "ops", ("admin",), expires_at=datetime(2020, 1, 1, tzinfo=timezone.utc))
         assert subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120).returncode != 0
         # The control: with an admin key the same command starts and serves.
         add_key(database, fixed_key("admin"))
