@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 COMPOSE = Path(__file__).parent.parent / "docker-compose.yml"
-ENV = {**os.environ, "FT_API_TOKEN": "t", "POSTGRES_PASSWORD": "p"}
+ENV = {**os.environ, "POSTGRES_PASSWORD": "p"}
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
@@ -35,5 +35,8 @@ def test_compose_stack_has_the_production_pieces() -> None:
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
     assert services["worker"]["init"] is True
+    # Keys required: production mode, no anonymous access, no shared token.
+    env = services["api"]["environment"]
+    assert env["FT_ENV"] == "production" and "FT_ALLOW_ANONYMOUS" not in env and "FT_API_TOKEN" not in env
     worker_command = " ".join(services["worker"]["command"])
     assert "python -m worker.prebuild && exec celery" in worker_command and "--pool solo" in worker_command
