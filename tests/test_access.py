@@ -471,3 +471,23 @@ def test_the_dev_stack_makes_its_key_once(env: dict[str, str], tmp_path: Path) -
     with psycopg.connect(env["FT_DATABASE_URL"].replace("+psycopg", ""), autocommit=True) as conn:
         conn.execute("UPDATE api_keys SET revoked_at = now() WHERE prefix = %s", (first[:12],))
     assert run() != first
+
+
+def test_development_requires_keys_unless_anonymous_is_allowed(env: dict[str, str], tmp_path: Path) -> None:
+    dev = {**env, "FT_ENV": "development"}
+    keyed = ApiProcess(dev, tmp_path / "dev.log").start()
+    try:  # the dev stack (`make up`) requires keys like production
+        error_of(httpx.get(keyed.url + "/jobs"), 401, "unauthorized")
+    finally:
+        keyed.stop()
+    open_ = ApiProcess({**dev, "FT_ALLOW_ANONYMOUS": "true"}, tmp_path / "open.log").start()
+    try:  # no header: an admin of `default`; a header is still checked
+        with httpx.Client(base_url=open_.url, timeout=30) as c:
+            job = c.post("/jobs", json=job_body(parked(), "anonymous"))
+            assert job.status_code == 201 and job.json()["owner"] == "default", job.text
+            assert c.get("/keys").status_code == 200
+            first = c.get(f"/jobs/{job.json()['id']}/events").json()["data"][0]
+            assert first["actor"] == {"key_id": None, "owner": "default"}
+            error_of(c.get("/jobs", headers=auth(fixed_key("nosuchkey"))), 401, "unauthorized")
+    finally:
+        open_.stop()
