@@ -108,7 +108,7 @@ class KeyCache:
 
     def __init__(self) -> None:
         self.entries: dict[bytes, tuple[float, Principal | None]] = {}
-        self.pending: dict[bytes, asyncio.Future[Principal | None]] = {}
+        self.pending: dict[bytes, asyncio.Task[Principal | None]] = {}
         # Bumped by every invalidation: a look-up that started before one does not store what it read,
         # which may be the row as it was before the revocation.
         self.generation = 0
@@ -161,33 +161,34 @@ class KeyCache:
         return found
 
     async def _read(self, hashed: bytes) -> Principal | None:
-        # Concurrent requests with the same uncached key share one query.
-        waiting = self.pending.get(hashed)
-        if waiting is not None:
-            return await asyncio.shield(waiting)
-        future: asyncio.Future[Principal | None] = asyncio.get_running_loop().create_future()
-        self.pending[hashed] = future
+        # Concurrent requests with the same uncached key share one query. It runs as a task of its own, so a
+        # request that is cancelled (its client left) cancels nobody else's look-up.
+        task = self.pending.get(hashed)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fetch(hashed))
+            self.pending[hashed] = task
+            task.add_done_callback(lambda done: self._settled(hashed, done))
+        return await asyncio.shield(task)
+
+    def _settled(self, hashed: bytes, task: asyncio.Task[Principal | None]) -> None:
+        self.pending.pop(hashed, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure every waiter left before seeing is not an unhandled one
+
+    async def _fetch(self, hashed: bytes) -> Principal | None:
         generation = self.generation
-        try:
-            rows = await pg.fetch(LOOKUP, hashed)
-            found = None
-            # The index found the row by its hash; the comparison in constant time is the rule for secrets,
-            # kept although what it compares is a hash the caller cannot choose.
-            if rows and hmac.compare_digest(bytes(rows[0]["secret_hash"]), hashed):
-                r = rows[0]
-                found = principal(r["id"], r["owner"], r["scopes"], r["expires_at"])
-            if generation == self.generation:
-                if len(self.entries) >= CACHE_MAX:
-                    del self.entries[next(iter(self.entries))]
-                self.entries[hashed] = (time.monotonic(), found)
-            future.set_result(found)
-            return found
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # marks it retrieved: nobody else may be waiting
-            raise
-        finally:
-            del self.pending[hashed]
+        rows = await pg.fetch(LOOKUP, hashed)
+        found = None
+        # The index found the row by its hash; the comparison in constant time is the rule for secrets, kept
+        # although what it compares is a hash the caller cannot choose.
+        if rows and hmac.compare_digest(bytes(rows[0]["secret_hash"]), hashed):
+            r = rows[0]
+            found = principal(r["id"], r["owner"], r["scopes"], r["expires_at"])
+        if generation == self.generation:
+            if len(self.entries) >= CACHE_MAX:
+                del self.entries[next(iter(self.entries))]
+            self.entries[hashed] = (time.monotonic(), found)
+        return found
 
     async def _touch(self, key_id: str) -> None:
         try:
