@@ -60,7 +60,7 @@ class ErrorResponse(BaseModel):
 _DESCRIPTIONS = {
     401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired",
     403: "The key lacks the scope this needs; the message names it",
-    404: "No such job (or it belongs to another owner)",
+    404: "No such job or key (another owner's job is not found either)",
     409: "The job's state does not allow this, or the Idempotency-Key was used with another body",
     413: "The body is larger than the limit (1 MiB)",
     422: "A field is invalid; `field` and `details` name each one and say what is accepted",

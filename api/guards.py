@@ -9,6 +9,7 @@ streams in, so neither a missing nor a lying Content-Length gets more than the l
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from collections.abc import Callable, Coroutine
@@ -21,6 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import access
 from api.errors import ApiError, ErrorCode, error_response
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1024 * 1024
 # Documentation and probes stay reachable without a key.
@@ -78,6 +81,11 @@ class KeyAuth:
                 except ApiError as exc:  # Postgres unreachable: the key cannot be checked
                     await error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)(
                         scope, receive, send)
+                    return
+                except Exception:  # outside the app's handlers: answered here, in the one error shape
+                    log.exception("checking an API key failed")
+                    await error_response(500, ErrorCode.INTERNAL_ERROR, "an internal error occurred; see the "
+                                         "server log")(scope, receive, send)
                     return
             if caller is None:
                 response = error_response(
