@@ -69,7 +69,8 @@ def listing(*, session: Session, owner: str | None, limit: int, after: str | Non
 
 
 def revoke(*, session: Session, key_id: str, actor: access.Principal | None) -> ApiKey:
-    """Revoked from the commit on; every API process drops it from its cache (the table's trigger notifies)."""
+    """Revoked from the commit on; every API process drops it from its cache (the table's trigger notifies),
+    the revoking one before it answers (api/routes/keys.py)."""
     key = session.scalars(select(ApiKey).where(ApiKey.id == key_id).with_for_update()).one_or_none()
     if key is None:
         raise ApiError(404, ErrorCode.NOT_FOUND, f"no key with id {key_id!r}", "id")
@@ -77,6 +78,4 @@ def revoke(*, session: Session, key_id: str, actor: access.Principal | None) -> 
         key.revoked_at = datetime.now(timezone.utc)
         audit.record(session, actor, "key.revoke", key.id, {"owner": key.owner})
         session.commit()
-    # This process forgets it itself, before it answers: its own next request must not pass on the cache.
-    access.CACHE.forget(key.secret_hash)
     return key
