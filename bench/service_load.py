@@ -578,7 +578,18 @@ def figure_post(svc: Service, tool: LoadTool, plan: Plan, figures: Figures) -> N
     figures.emit("post_job_rps", r.ok_rps, "req/s", ">= 500", **common)
     figures.emit("post_job_p99", ms(r.p99_s), "ms", "-", **common)
     time.sleep(2)  # requests the load generator abandoned at its deadline may still be committing
-    with psycopg.connect(svc.dsn) as conn:
+    with psycopg.connect(svc.dsn, autocommit=True) as conn:
+        # The control plane's dispatcher sends each committed job to the broker: how long it took to catch
+        # up with the submits once they stopped, and whether every row went out.
+        waited = time.monotonic()
+        while True:
+            unsent = conn.execute("SELECT count(*) FROM jobs WHERE name = 'bench-post-load' "
+                                  "AND dispatched_at IS NULL").fetchone()[0]
+            if unsent == 0 or time.monotonic() - waited > 120:
+                break
+            time.sleep(0.2)
+        figures.emit("post_job_unsent_after_load", unsent, "rows", "0", catch_up_s=round(time.monotonic() - waited, 1),
+                     concurrency=conc, tool=r.tool)
         rows, distinct = conn.execute("SELECT count(*), count(DISTINCT metadata->>'bench_req') FROM jobs "
                                       "WHERE name = 'bench-post-load'").fetchone() or (0, 0)
         # The POSTed jobs wait forever on a queue nobody serves; ended here, the control plane's per-pass

@@ -75,3 +75,67 @@ def test_many_followers_each_get_every_event_once_without_holding_connections(
     rest = asyncio.run(follow(url.hostname, url.port, job["id"], last_event_id=middle))
     assert rest == [i for i in stored if i > middle]
     wait_for(lambda: api.get("/healthz").status_code == 200, 5, "the API to stay healthy")
+
+
+def _insert_event(database_url: str, job_id: str, note: str) -> int:
+    """Appends an event as the ingester does (the row's counter locked, the next sequence number)."""
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=False) as conn:
+        seq = conn.execute("UPDATE jobs SET event_seq = event_seq + 1 WHERE id = %s RETURNING event_seq",
+                           (job_id,)).fetchone()[0]
+        conn.execute("INSERT INTO job_events (job_id, seq, attempt, type, data, created_at) "
+                     "VALUES (%s, %s, 1, 'log', %s, now())", (job_id, seq, json.dumps({"line": note})))
+        conn.commit()
+    return int(seq)
+
+
+def _listen_backends(database_url: str, terminate: bool = False) -> int:
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        fn = "pg_terminate_backend(pid)" if terminate else "1"
+        return len(conn.execute(f"SELECT {fn} FROM pg_stat_activity WHERE datname = current_database() "
+                                "AND application_name = 'ft-api-listen'").fetchall())
+
+
+def test_followers_are_woken_by_notifications_and_poll_while_the_listener_is_cut_off(
+        api: httpx.Client, make_job: Any, stack: Any, stack_env: dict[str, str]) -> None:
+    """An event reaches a follower within a second through `ft_events` (the feed's own look comes only
+    every 2 s with notifications flowing, so eight arrivals under a second each do not happen by polling:
+    odds 1 in 256); with the LISTEN connection killed, events still arrive (100 ms polling, then the
+    re-opened listener)."""
+    db = stack_env["FT_DATABASE_URL"]
+    url = urlparse(stack.api_url)
+    job = api.post("/jobs", json=make_job(name="notified", resources={"queue": "nobody-serves-this"})).json()
+
+    async def scenario() -> list[float]:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.write(f"GET /jobs/{job['id']}/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        await writer.drain()
+        assert b" 200 " in await reader.readline()
+
+        async def until(seq: int) -> None:
+            async for raw in reader:
+                if raw.startswith(b"id: ") and int(raw[4:]) >= seq:
+                    return
+
+        await asyncio.wait_for(until(1), 10)  # the stored `queued` event: the follower is live
+        delays = []
+        for phase in ("listening", "cut off", "re-listening"):
+            if phase == "cut off":
+                assert await asyncio.to_thread(_listen_backends, db, True) >= 1
+            if phase == "re-listening":
+                deadline = time.monotonic() + 15
+                while await asyncio.to_thread(_listen_backends, db) == 0:
+                    assert time.monotonic() < deadline, "the API never listened again"
+                    await asyncio.sleep(0.1)
+            for i in range(8 if phase != "cut off" else 3):
+                await asyncio.sleep(0.3)
+                sent = time.monotonic()
+                seq = await asyncio.to_thread(_insert_event, db, job["id"], f"{phase} {i}")
+                await asyncio.wait_for(until(seq), 10)
+                delays.append(time.monotonic() - sent)
+        writer.close()
+        return delays
+
+    delays = asyncio.run(scenario())
+    assert max(delays) < 1.0, [round(d, 3) for d in delays]
+    assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202

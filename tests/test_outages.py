@@ -257,7 +257,7 @@ def test_b_redis_restarted_empty_redrives_the_queued_job_and_the_running_one_con
     for job_id in (running["id"], waiting["id"]):
         no_orphans(job_id)
     assert_alive(outage_stack, "controlplane", "api", "worker1")
-    assert f"job {waiting['id']} re-sent as attempt 2 after Redis lost its data" in log_of(outage_stack,
+    assert f"job {waiting['id']} goes out again as attempt 2 after Redis lost its data" in log_of(outage_stack,
                                                                                          "controlplane")
     figure("redis_restart_empty", redis_down_s=round(down, 1), idle_worker_s=round(idle, 1),
            running_rank0_lines=counts_running["rank0"], running_trainer_events=counts_running["trainer"],
