@@ -62,7 +62,22 @@ for stage in "$@"; do
       IFS=_ read -r _ model z off lora <<< "$stage"
       extra="${MEM_EXTRA:-}"; [ "${lora:-}" = lora ] && extra="$extra --lora"
       run "$stage" "${MEM_LIMIT:-600}" python3 -m bench.run_trainer --model "$model" --zero "$z" --offload "$off" --ckpt --micro 1 \
-        --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra ;;
+        --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra \
+        --log "$LOGS/$stage.launcher.log" ;;
+    full8b_bf16_z*)  # full8b_bf16_z<stage>: the Llama-3.1-8B shape, every parameter trained, optimizer adamw_bf16,
+      # the job's defaults otherwise (micro batch by the probe); then the export is loaded and run
+      z=${stage#full8b_bf16_z}
+      run "$stage" "${LIMIT8B:-430}" python3 -m bench.run_trainer --model llama8b --zero "$z" --optimizer adamw_bf16 \
+        --steps "${STEPS8B:-12}" --skip 4 --tokens 2000000 --label full8b_adamw_bf16 --reload \
+        --log "$LOGS/$stage.launcher.log" --events "$LOGS/$stage.events.jsonl" ;;
+    oom_ladder_1b)  # micro 32 with stock modules (no fused loss: 128k-wide logits) runs out of memory; the ladder adapts
+      run oom_ladder_1b 130 python3 -m bench.run_trainer --model llama1b --zero 2 --kernels torch --micro 32 \
+        --on-oom adapt --steps 8 --skip 4 --label oom_ladder --events "$LOGS/oom_ladder_1b.events.jsonl" ;;
+    curve_*)  # curve_<optimizer>: the Llama-3.2-1B shape on English text, CURVE_STEPS steps, eval every 25
+      opt=${stage#curve_}
+      run "$stage" "${CURVE_LIMIT:-560}" python3 -m bench.run_trainer --model llama1b --zero 2 --optimizer "$opt" --corpus stdlib \
+        --seq 1024 --global-batch 8 --micro 8 --lr 1e-4 --warmup 30 --steps "${CURVE_STEPS:-300}" --skip 20 \
+        --val-fraction 0.05 --eval-every 25 --label "curve_$opt" --events "$LOGS/$stage.events.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

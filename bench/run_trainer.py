@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.shapes import model_config
-from bench.synthetic import write_documents, write_model_dir
+from bench.synthetic import write_documents, write_model_dir, write_stdlib_text
 from trainer.dsconfig import ResolveLimits, resolve
 from trainer.spec import JobSpec, RunSpec
 
@@ -30,19 +30,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_run(a: argparse.Namespace, work: Path) -> Path:
     model_dir = write_model_dir(work / "models" / a.model, model_config(a.model))
-    data = work / "data" / f"docs-{a.tokens}.txt"
-    if not data.exists():
-        write_documents(data, a.tokens)
+    if a.corpus == "stdlib":
+        data = work / "data" / "stdlib-docs.txt"
+        if not data.exists():
+            write_stdlib_text(data)
+    else:
+        data = work / "data" / f"docs-{a.tokens}.txt"
+        if not data.exists():
+            write_documents(data, a.tokens)
     job: dict[str, Any] = {
         "name": f"bench-{a.model}", "model": {"name_or_path": str(model_dir), "init": "random",
                                                "attn_implementation": a.attn, "kernels": a.kernels},
-        "data": {"train": str(data), "format": "text"},
+        "data": {"train": str(data), "format": "text", "validation_fraction": a.val_fraction},
         "hyperparameters": {"max_steps": a.steps, "seq_len": a.seq, "global_batch_size": a.global_batch,
                             "micro_batch_size": a.micro if a.micro == "auto" else int(a.micro),
-                            "learning_rate": 1e-4, "weight_decay": 0.01},
+                            "learning_rate": a.lr, "warmup_steps": a.warmup, "weight_decay": 0.01,
+                            "optimizer": a.optimizer, "eval_every_steps": a.eval_every},
         "deepspeed": {"zero_stage": a.zero, "precision": a.precision, "offload_optimizer": a.offload,
                       "activation_checkpointing": a.ckpt, "compile": a.compile},
-        "resources": {"num_gpus": a.gpus},
+        "resources": {"num_gpus": a.gpus, "on_oom": a.on_oom},
     }
     if a.offload != "none" and (a.no_pin or a.offload_ratio < 1.0):
         block: dict[str, Any] = {"device": a.offload}
@@ -58,7 +64,8 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
     if a.lora:
         job["lora"] = {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
     resolved = resolve(JobSpec.model_validate(job), limits=ResolveLimits())
-    tag = f"{a.model}-z{a.zero}-{a.precision}-{a.offload}-{'lora' if a.lora else 'full'}-{a.kernels}"
+    tag = (f"{a.model}-z{a.zero}-{a.precision}-{a.offload}-{'lora' if a.lora else 'full'}-{a.kernels}-"
+           f"{a.optimizer}-{a.label}")
     job_dir = work / "jobs" / tag
     run = RunSpec(job=resolved, paths={"job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "ckpt"),
                                        "output_dir": str(job_dir / "out")})
@@ -70,7 +77,8 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
 
 def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     progress = [e for e in events if e.get("event") == "progress"]
-    started = next((e for e in events if e.get("event") == "started"), {})
+    # The last `started`: the setting that trained (the OOM ladder starts once per setting it tries).
+    started = next((e for e in reversed(events) if e.get("event") == "started"), {})
     steady = [e for e in progress if e["step"] >= skip]
     out: dict[str, Any] = {"steps": progress[-1]["step"] if progress else 0,
                            "micro_batch_size": started.get("micro_batch_size"),
@@ -89,6 +97,14 @@ def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     resolved = next((e for e in events if e.get("event") == "resolved"), None)
     if resolved:
         out["auto_reason"] = resolved.get("reason")
+    adapted = [e for e in events if e.get("event") == "adapted"]
+    if adapted:
+        out["adapted"] = [{"phase": e["phase"], "step": e["step"], "change": e["change"],
+                           "error": e["error"][:160]} for e in adapted]
+        out["memory_setting"] = started.get("memory_setting")
+    evals = [e for e in events if e.get("event") == "eval"]
+    if evals:
+        out["eval_loss"] = {e["step"]: round(e["loss"], 4) for e in evals}
     err = next((e for e in events if e.get("event") == "error"), None)
     if err:
         out["error"] = f"{err.get('code')}: {str(err.get('message'))[:300]}"
@@ -109,6 +125,24 @@ def exported(spec: Path) -> dict[str, Any]:
     if not (out / "COMPLETE").exists():
         return {"export_GB": None}
     return {"export_GB": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e9, 2)}
+
+
+def reload_export(spec: Path) -> dict[str, Any]:
+    """Load the committed export the way a user would (transformers, safetensors) and run it: the parameter
+    count, a finite loss on a sequence, and a few generated tokens are the evidence that it reloads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(RunSpec.model_validate_json(spec.read_text()).paths.output_dir)
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cuda")
+    loaded_s = round(time.time() - t0, 1)
+    ids = torch.randint(0, 27, (1, 256), device="cuda")
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+        gen = model.generate(input_ids=ids[:, :16], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    return {"reload_params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "reload_s": loaded_s,
+            "reload_loss": round(loss, 4), "reload_generated_tokens": int(gen.shape[1] - 16)}
 
 
 def main() -> None:
@@ -134,6 +168,15 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--work", default="/tmp/bench")
     p.add_argument("--label", default="trainer")
+    p.add_argument("--optimizer", default="adamw", help="hyperparameters.optimizer: adamw | adamw_bf16")
+    p.add_argument("--on-oom", default="fail", help="resources.on_oom: fail | adapt")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--corpus", default="letters", help="letters: synthetic.py's stream; stdlib: English docstrings")
+    p.add_argument("--val-fraction", type=float, default=0.0)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--events", default=None, help="write the trainer's JSON events here")
+    p.add_argument("--reload", action="store_true", help="load the export afterwards and run it")
     a = p.parse_args()
     spec = build_run(a, Path(a.work))
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.gpus), "--module", "trainer",
@@ -155,8 +198,16 @@ def main() -> None:
            "pin_memory": not a.no_pin, "offload_ratio": a.offload_ratio, "kernels": a.kernels,
            "exit": proc.returncode, "wall_s": round(time.time() - t0, 1), **figures(events, a.skip),
            **exported(spec), **compile_log(proc.stdout + proc.stderr)}
+    row["optimizer"], row["on_oom"] = a.optimizer, a.on_oom
+    if a.reload and row.get("export_GB"):
+        try:
+            row.update(reload_export(spec))
+        except Exception as exc:  # the row must still be printed, with the reason
+            row["reload_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if a.log:
         Path(a.log).write_text(proc.stdout + proc.stderr)
+    if a.events:
+        Path(a.events).write_text("".join(json.dumps(e) + "\n" for e in events))
     print(json.dumps(row), flush=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -22,8 +22,10 @@ def model_config(name: str) -> PretrainedConfig:
         "llama6b": (4096, 24, 32, 8, 14336, False),  # Llama-3.1-8B width, 24 of its 32 layers
         "llama7b": (4096, 28, 32, 8, 14336, False),  # Llama-3.1-8B width, 28 of its 32 layers
         "llama8b": (4096, 32, 32, 8, 14336, False),  # Llama-3.1-8B
+        "llama12b": (4096, 52, 32, 8, 14336, False),  # Llama-3.1-8B width, 52 layers: 12.4 B
         "llama13b": (4096, 56, 32, 8, 14336, False),  # Llama-3.1-8B width, 56 layers: 13.3 B
         "llama14b": (4096, 60, 32, 8, 14336, False),  # Llama-3.1-8B width, 60 layers: 14.1 B
+        "llama15b": (4096, 64, 32, 8, 14336, False),  # Llama-3.1-8B width, 64 layers: 15.0 B
         "llama32b": (6144, 60, 48, 8, 20480, False),
         "llama45b": (8192, 48, 64, 8, 28672, False),  # Llama-3-70B width, 48 of its 80 layers
         "llama57b": (8192, 64, 64, 8, 28672, False),  # Llama-3-70B width, 64 of its 80 layers

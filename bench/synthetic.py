@@ -36,6 +36,36 @@ def write_documents(path: Path, n_tokens: int, seed: int = 0) -> int:
     return len(docs)
 
 
+def write_stdlib_text(path: Path) -> int:
+    """Real English with no download, for loss curves that mean something: the docstrings of the standard
+    library's pure-Python modules (a few MB), one document per docstring; returns the characters written."""
+    import importlib
+    import inspect
+    import sys
+    import warnings
+
+    docs: list[str] = []
+    seen: set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in sorted(sys.stdlib_module_names):
+            if name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"):
+                continue
+            try:
+                mod = importlib.import_module(name)
+            except BaseException:  # noqa: BLE001  # some modules refuse to import here; they are just skipped
+                continue
+            for obj in (mod, *[getattr(mod, n, None) for n in dir(mod) if not n.startswith("_")]):
+                doc = inspect.getdoc(obj) if obj is not None else None
+                if doc and len(doc) > 200 and doc not in seen and doc.isascii():
+                    seen.add(doc)
+                    docs.append(doc)
+    text = "\n\n".join(docs) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return len(text)
+
+
 def write_model_dir(out: Path, config: object) -> Path:
     """config.json and a byte tokenizer (no merges: one character, one token); weights are random-initialised."""
     out.mkdir(parents=True, exist_ok=True)

@@ -34,9 +34,10 @@ from trainer.spec import ResolvedJob
 # Elements per chunk of the update: 64 Mi elements keep the fp32 temporaries near 1.5 GiB.
 CHUNK = 1 << 26
 ADAM_EPS = 1e-8  # DeepSpeed's Adam default, which "adamw" renders too
-# Bytes of optimizer state per trained parameter that each choice adds beyond the 16-bit weight and gradient
-# (what the micro-batch probe must leave free): fp32 master + 2 fp32 moments, or bf16 master + 2 bf16 moments.
-STATE_BYTES = {"adamw": 12.0, "adamw_bf16": 6.0}
+# GPU bytes per trained parameter that the optimizer adds once training starts, beyond the 16-bit weight and
+# gradient the micro-batch probe measures: "adamw_bf16" keeps a bf16 master copy (2) and two bf16 moments (4), and
+# ZeRO-2 flattens the gradient partition into one more bf16 buffer at each step (2).
+STATE_BYTES = {"adamw_bf16": 8.0}
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import optim
 from trainer.spec import ResolvedJob
 
 # What a GPU may hold beyond the probe's own peak: allocator fragmentation, NCCL and DeepSpeed buffers.
@@ -39,7 +40,10 @@ def optimizer_bytes(job: ResolvedJob, n_trainable: int) -> float:
     ds = job.spec.deepspeed
     if ds.offload_optimizer != "none":
         return 0.0
-    per_param = 8.0 if ds.precision == "fp32" else 12.0  # Adam moments (+ fp32 master weights)
+    if job.spec.hyperparameters.optimizer == "adamw_bf16":
+        per_param = optim.STATE_BYTES["adamw_bf16"]
+    else:
+        per_param = 8.0 if ds.precision == "fp32" else 12.0  # Adam moments (+ fp32 master weights)
     shards = job.world_size if ds.zero_stage >= 1 else 1
     return n_trainable * per_param / shards
 
