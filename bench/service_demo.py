@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from scripts.demo import DEMO_JOB, prepare_assets, run_demo
-from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
+from scripts.stack import ROOT, Stack, database_exists_or_create, ensure_dev_key, migrate
 
 
 def main() -> None:
@@ -30,11 +30,12 @@ def main() -> None:
     stack.start_api()
     stack.start_controlplane()
     stack.start_worker()
+    key = ensure_dev_key()  # the dev stack's admin key, as make demo uses it
     rows = []
     try:
         stack.wait_ready()
         for i in range(a.runs):
-            f = run_demo(stack, json.loads(DEMO_JOB.read_text()), quiet=True)
+            f = run_demo(stack, json.loads(DEMO_JOB.read_text()), quiet=True, key=key)
             job = f["job"]
             row = {"run": i + 1, "status": job["status"], "first_progress_s": round(f["first_progress_s"], 2),
                    "wall_s": round(f["wall_s"], 1), "job_cpu_s": job["progress"].get("cpu_seconds"),

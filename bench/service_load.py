@@ -99,6 +99,21 @@ class Figures:
             self.out.write_text("\n".join(self.lines) + "\n")
 
 
+KEY_ENV = "FT_BENCH_KEY"
+
+
+def bench_key() -> str:
+    return os.environ[KEY_ENV]
+
+
+def auth_line() -> str:
+    return f"Authorization: Bearer {bench_key()}\r\n"
+
+
+def auth_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {bench_key()}"}
+
+
 def note(message: str) -> None:
     """Progress goes to stderr, so stdout holds only the figures."""
     print(f"[service_load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -282,13 +297,19 @@ def service() -> Iterator[Service]:
 
         pg = conninfo_to_dict(PG_ADMIN)
         server = f"{pg.get('user', 'postgres')}@{pg.get('host', '127.0.0.1')}:{pg.get('port', 5432)}"
-        env = {"FT_ENV": "development", "FT_API_TOKEN": "", "FT_QUEUES": "default",
+        # No quota: the submit figure creates thousands of jobs for one owner (a quota's cost is in the README).
+        env = {"FT_ENV": "development", "FT_QUEUES": "default", "FT_QUOTA_MAX_ACTIVE_JOBS": "",
                "FT_DATABASE_URL": f"postgresql+psycopg://{server}/{name}",
                "FT_REDIS_URL": redis_url, "FT_BROKER_URL": redis_url, "FT_HOST": "127.0.0.1",
                "FT_PORT": str(free_port()),
                "FT_ARTIFACTS_ROOT": str(roots["artifacts"]), "FT_MODEL_ROOT": str(roots["models"]),
                "FT_DATA_ROOT": str(roots["data"]), "FT_NVME_ROOT": str(roots["artifacts"] / "nvme")}
         migrate({**os.environ, **env})
+        # An admin key of its own, as an operator makes one; the load carries it as any client would. In the
+        # environment, so the probe's and the followers' processes have it too.
+        os.environ[KEY_ENV] = subprocess.run(
+            [sys.executable, "-m", "api.keys", "create", "--owner", "bench", "--scopes", "admin", "--name", "bench"],
+            env={**os.environ, **env}, check=True, capture_output=True, text=True).stdout.strip()
         stack = Stack(env, roots["logs"])
         cleanup.callback(stack.stop)
         stack.start_api()
@@ -401,7 +422,8 @@ def run_wrk(load: Load, version: str) -> LoadResult:
         f.write(script)
     try:
         proc = subprocess.run(["wrk", "-t1", f"-c{load.concurrency}", f"-d{load.seconds}s", "--timeout",
-                               WRK_TIMEOUT, "--latency", "-s", f.name, load.url],
+                               WRK_TIMEOUT, "--latency", "-H", f"Authorization: Bearer {bench_key()}",
+                               "-s", f.name, load.url],
                               capture_output=True, text=True, timeout=load.seconds + 60)
     finally:
         os.unlink(f.name)
@@ -439,10 +461,10 @@ async def python_client(load: Load, host: str, port: int, path: str, client: int
             count += 1
             if load.body:
                 body = f"{load.body[0]}p{client}-{count}{load.body[1]}".encode()
-                request = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                request = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth_line()}Content-Type: application/json\r\n"
                            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
             else:
-                request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+                request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth_line()}\r\n".encode()
             t0 = time.perf_counter()
             writer.write(request)
             status, keep = await asyncio.wait_for(read_response(reader), timeout=10)
@@ -694,8 +716,8 @@ async def follow(host: str, port: int, job_id: str, f: Follower) -> None:
     writer: asyncio.StreamWriter | None = None
     try:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"GET /jobs/{job_id}/events HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n"
-                     .encode())
+        writer.write(f"GET /jobs/{job_id}/events HTTP/1.1\r\nHost: {host}\r\n{auth_line()}"
+                     "Accept: text/event-stream\r\n\r\n".encode())
         head = await reader.readuntil(b"\r\n\r\n")
         f.connected_at = time.time()
         f.status = int(head.split(b" ", 2)[1])
@@ -751,7 +773,7 @@ def probe(base_url: str, job_id: str, seconds: float, interval: float = 0.1) -> 
     paths = {"healthz": "/healthz", "get_job": f"/jobs/{job_id}"}
     latencies: dict[str, list[float]] = {k: [] for k in paths}
     errors: Counter[str] = Counter()
-    with httpx.Client(base_url=base_url, timeout=30) as client:
+    with httpx.Client(base_url=base_url, timeout=30, headers=auth_headers()) as client:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for key, path in paths.items():
@@ -806,7 +828,7 @@ async def follow_run(svc: Service, job_id: str, n: int, plan: Plan, pool: Proces
     rss: list[int] = []
     await sample_rss(svc.pid("api"), time.monotonic() + plan.window_s, rss)
     cpu_read = cpu.read()
-    async with httpx.AsyncClient(base_url=svc.url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=svc.url, timeout=60, headers=auth_headers()) as client:
         expected = await stored_ids(client, job_id)
     last = expected[-1] if expected else 0
     read_at = time.monotonic()
@@ -873,7 +895,7 @@ def emit_probe(figures: Figures, followers: int, result: dict[str, dict[str, Any
 
 
 async def figure_sse(svc: Service, plan: Plan, figures: Figures) -> None:
-    with httpx.Client(base_url=svc.url, timeout=60) as api:
+    with httpx.Client(base_url=svc.url, timeout=60, headers=auth_headers()) as api:
         created = api.post("/jobs", json=follow_job())
         if created.status_code != 201:
             raise RuntimeError(f"the followed job was refused: {created.status_code} {created.text}")
@@ -926,7 +948,7 @@ def emit_follow(figures: Figures, n: int, run: FollowRun, plan: Plan, baseline: 
 def run_all(plan: Plan, figures: Figures, tool: LoadTool) -> None:
     note(f"HTTP load tool: {tool.wrk or 'python-asyncio (wrk not on PATH)'}")
     with service() as svc:
-        with httpx.Client(base_url=svc.url, timeout=30) as api:
+        with httpx.Client(base_url=svc.url, timeout=30, headers=auth_headers()) as api:
             created = api.post("/jobs", json=demo_job("bench-template", UNSERVED_QUEUE))
             if created.status_code != 201:
                 raise RuntimeError(f"the demo job was refused: {created.status_code} {created.text}")
