@@ -38,17 +38,23 @@ def _redis(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
 
 
-def _redis_dep(settings: Annotated[ApiSettings, Depends(get_settings)]) -> redis.Redis:
+# The pure dependencies are `async def`: FastAPI runs a plain `def` one in its thread pool on every request.
+async def _settings() -> ApiSettings:
+    return get_settings()
+
+
+async def _redis_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> redis.Redis:
     return _redis(settings.redis_url)
 
 
 SessionDep = Annotated[Session, Depends(_session)]
-SettingsDep = Annotated[ApiSettings, Depends(get_settings)]
+SettingsDep = Annotated[ApiSettings, Depends(_settings)]
 RedisDep = Annotated[redis.Redis, Depends(_redis_dep)]
 
 
-def _caller(request: Request) -> Principal:
-    # Set by api.guards.KeyAuth before the route was reached; a route outside it has no caller.
+async def _caller(request: Request) -> Principal:
+    # Set by api.guards.KeyAuth before the route was reached; a route outside it has no caller. As a plain
+    # `def` its thread-pool hop cost the hot reads two thirds of their throughput.
     return request.state.caller
 
 
