@@ -27,10 +27,10 @@ demo: install
 up: install
 	$(PY) -m scripts.stack
 
-## Start one more worker against a running stack (how a GPU node joins); FT_QUEUES picks its queues.
+## Start one more node's worker against a running stack (how a GPU node joins): FT_NODE_NAME (unique per
+## node), FT_NODE_SLOTS (default: its GPUs, 2 on a CPU-only node), FT_QUEUES (the queues it serves).
 worker: install
-	$(PY) -m celery -A worker.celery_app:app worker --pool solo --concurrency 1 -Q $${FT_QUEUES:-default} \
-		--without-gossip --without-mingle --loglevel INFO
+	$(PY) -m worker
 
 migrate: install
 	$(PY) -c "from api.settings import get_settings; from scripts.stack import database_exists_or_create as c; c(get_settings().database_url)"

@@ -1,10 +1,13 @@
-"""Sends queued jobs to the workers: the one place a task message is published (the outbox's relay).
+"""Places queued jobs and sends them to their nodes: the one place a task message is published (the
+outbox's relay).
 
 The API's submit only commits the job row; a requeue or re-drive only puts the row back to queued
-with no `dispatched_at`. This thread finds such rows and publishes their current attempt through
-Celery, then marks them sent. It wakes on `ft_dispatch` (a trigger notifies when a row needs sending,
-migration 0003) and looks anyway every POLL_SECONDS, so a lost notification or listener costs at most
-that. Exactly one task message per attempt is the goal, at least one is the guarantee: a crash between
+with no `dispatched_at`. Each pass first runs the scheduler (api/scheduler.py), which commits where
+queued jobs go, then this thread finds the placed rows not yet sent and publishes their current attempt
+through Celery to each placed node's own queue, then marks them sent. It wakes on `ft_dispatch` (a
+trigger notifies when a row needs sending, migrations 0003, or slots came free, 0005) and looks anyway
+every POLL_SECONDS, so a lost notification or listener costs at most that. Exactly one task message per
+attempt is the goal, at least one is the guarantee: a crash between
 publishing and the commit sends the attempt again, and a worker drops a message for an attempt that
 was already claimed. A submit thus never waits on Redis or the broker, and a row can never exist
 without its message being sent (the gap the API's own send after the commit had).
@@ -21,10 +24,11 @@ import redis
 from sqlalchemy import select
 
 from api.db import session_scope
-from api.dispatch import dispatch, run_spec
+from api.dispatch import dispatch
 from api.ingest import first_line
 from api.models import Job
 from api.pg import dsn
+from api.scheduler import Scheduler
 from api.settings import ApiSettings
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class Dispatcher:
     def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
         self.r = client
         self.settings = settings
+        self.scheduler = Scheduler(client, settings)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -52,17 +57,19 @@ class Dispatcher:
             self._thread.join(timeout=2 * POLL_SECONDS + 1)
 
     def step(self) -> int:
-        """Send every queued job that has not been sent; returns how many were sent."""
+        """Place what fits, then send every placed job that has not been sent; returns how many were sent."""
+        self.scheduler.step()
         sent = 0
         while True:
             with session_scope() as session:
                 # Rows another dispatcher (or the reaper's re-drive) holds are theirs this time round.
                 jobs = list(session.scalars(
-                    select(Job).where(Job.status == "queued", Job.dispatched_at.is_(None))
+                    select(Job).where(Job.status == "queued", Job.dispatched_at.is_(None), Job.placement.is_not(None))
                     .order_by(Job.seq).limit(BATCH).with_for_update(skip_locked=True)))
                 for job in jobs:
                     dispatch(self.r, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,
-                             run=run_spec(job.job_dir, job.resolved), queue=job.queue)
+                             resolved=job.resolved, placement=job.placement or [],
+                             lease_ttl=self.settings.lease_ttl_seconds)
                     # This host's clock: the reaper compares it with when it noticed a Redis data loss.
                     job.dispatched_at = datetime.now(timezone.utc)
             sent += len(jobs)

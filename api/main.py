@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from api import errors, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
-from api.routes import audit, health, jobs, keys, owners
+from api.routes import audit, health, jobs, keys, nodes, owners
 from api.services import idempotency
 from api.settings import ApiSettings, get_settings
 
@@ -77,7 +77,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
     errors.install(app)
-    routers = (health.router, jobs.router, keys.router, owners.router, audit.router)
+    routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router)
     for router in routers:
         app.include_router(router)
     # The last one added runs first: the key and its scope are checked before the body is read at all.

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -47,6 +48,7 @@ class Job(Base):
         Index("ix_jobs_owner_seq", "owner", "seq"),
         Index("ix_jobs_owner_unfinished", "owner", postgresql_include=["gpus"],
               postgresql_where=text(f"status IN {UNFINISHED!r}")),
+        Index("ix_jobs_placed", "status", postgresql_where=text(f"placement IS NOT NULL AND status IN {UNFINISHED!r}")),
     )
 
     # Internal order for "newest first" and cursors; the public id is opaque.
@@ -75,6 +77,29 @@ class Job(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Where the scheduler placed the attempt ([{"node", "devices"}], one per node of a gang); null while it
+    # waits, and then `queued_reason` says for what.
+    # none_as_null: None is SQL NULL (unplaced), not the JSON value null, which IS NOT NULL would count as placed.
+    placement: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB(none_as_null=True), nullable=True)
+    queued_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Node(Base):
+    """A worker's node as the control plane last saw it announced in Redis (worker/node.py)."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), nullable=False)
+    slots: Mapped[int] = mapped_column(Integer, nullable=False)
+    devices: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
+    queues: Mapped[list[str]] = mapped_column(ARRAY(String(64)), nullable=False)
+    jobs_max: Mapped[int] = mapped_column(Integer, nullable=False)
+    draining: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    worker: Mapped[str] = mapped_column(String(200), nullable=False, server_default="")
+    addr: Mapped[str] = mapped_column(String(200), nullable=False, server_default="127.0.0.1")
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
 
 
 class JobEvent(Base):

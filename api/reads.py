@@ -23,7 +23,8 @@ PROGRESS_DEFAULTS = ('\'{"step": 0, "total_steps": null, "epoch": null, "loss": 
 SUMMARY_FIELDS = (f"'id', id, 'name', name, 'owner', owner, 'status', status, 'attempt', attempt, 'queue', queue, "
                   f"'progress', {PROGRESS_DEFAULTS} || progress, 'error', error, 'created_at', created_at, "
                   "'started_at', started_at, 'finished_at', finished_at, 'checkpoints', checkpoints, "
-                  "'output', output, 'metadata', metadata")
+                  "'output', output, 'metadata', metadata, 'placement', placement, 'queued_reason', "
+                  "CASE WHEN status = 'queued' THEN queued_reason END")
 JOB_JSON = f"json_build_object({SUMMARY_FIELDS}, 'request', request, 'resolved', resolved)::text"
 SUMMARY_JSON = f"json_build_object({SUMMARY_FIELDS})::text"
 EVENT_JSON = ("(data || jsonb_build_object('id', seq, 'type', type, 'attempt', attempt, "
@@ -104,3 +105,26 @@ async def events_page(job_id: str, *, after: int, limit: int, types: list[str] |
     next_after = page[-1][0] if page else after
     return (b'{"data":[' + ",".join(r[3] for r in page).encode() + b'],"has_more":'
             + (b"true" if len(rows) > limit else b"false") + b',"next_after":' + str(next_after).encode() + b"}")
+
+
+# A node's state: draining (its worker is shutting down), lost (not seen for the grace period after its
+# heartbeat key expired: it receives nothing), or up. Its jobs and free slots are the placed jobs that
+# have not ended, as the scheduler counts them.
+NODES = """
+SELECT coalesce(json_agg(json_build_object(
+    'name', n.name, 'kind', n.kind, 'queues', n.queues, 'slots_total', n.slots,
+    'slots_free', CASE WHEN n.last_seen >= now() - make_interval(secs => $1) AND NOT n.draining
+                       THEN n.slots - coalesce(h.used, 0) ELSE 0 END,
+    'jobs', coalesce(h.jobs, '[]'::json), 'jobs_max', n.jobs_max, 'last_seen', n.last_seen,
+    'state', CASE WHEN n.last_seen < now() - make_interval(secs => $1) THEN 'lost'
+                  WHEN n.draining THEN 'draining' ELSE 'up' END) ORDER BY n.name), '[]'::json)::text
+FROM nodes AS n LEFT JOIN LATERAL (
+    SELECT sum(jsonb_array_length(p->'devices'))::int AS used,
+           json_agg(json_build_object('id', j.id, 'status', j.status, 'devices', p->'devices') ORDER BY j.seq) AS jobs
+    FROM jobs AS j, jsonb_array_elements(j.placement) AS p
+    WHERE j.placement IS NOT NULL AND j.status IN ('queued', 'starting', 'running', 'cancelling')
+      AND p->>'node' = n.name) AS h ON true"""
+
+
+async def nodes(grace_seconds: float) -> bytes:
+    return b'{"data":' + (await pg.fetchval(NODES, grace_seconds)).encode() + b"}"

@@ -25,7 +25,7 @@ from api.models import ACTIVE, Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now
 from api.settings import ApiSettings
-from worker.keys import attempt_key, cancel_key, lease_key, released_key
+from worker.keys import attempt_key, cancel_key, lease_key, part_done_key, released_key
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +100,30 @@ class Reaper:
             # The columns it needs, of the jobs a worker holds: a pass must not grow with the queue (a
             # queue of 100,000 jobs cost a pass seconds). Queued jobs need no keys re-asserted: their
             # attempt key is set when they are sent, and after a Redis data loss they are re-sent.
-            active = list(session.execute(select(Job.id, Job.attempt, Job.status).where(Job.status.in_(ACTIVE))))
+            active = list(session.execute(select(Job.id, Job.attempt, Job.status, Job.placement)
+                                          .where(Job.status.in_(ACTIVE))))
             pipe = self.r.pipeline(transaction=False)
             for job in active:
                 pipe.set(attempt_key(job.id), job.attempt)
                 if job.status == "cancelling":
                     pipe.set(cancel_key(job.id), job.attempt, ex=CANCEL_KEY_TTL)
-            for job in active:
-                pipe.exists(lease_key(job.id, job.attempt)).get(released_key(job.id, job.attempt))
-            replies = pipe.execute()[-2 * len(active):] if active else []
+            # A multi-node job has one lease per node's part: it is alive while every part holds its lease
+            # or ended cleanly (done), and lost as a whole when one part is missing.
+            parts = [max(1, len(job.placement or [])) for job in active]
+            for job, n in zip(active, parts, strict=True):
+                for part in range(n):
+                    pipe.exists(lease_key(job.id, job.attempt, part), part_done_key(job.id, job.attempt, part))
+                    pipe.get(released_key(job.id, job.attempt, part))
+            asked = 2 * sum(parts)
+            replies = pipe.execute()[-asked:] if asked else []
         clock = time.monotonic()
         live = set()
-        for job, alive, released in zip(active, replies[::2], replies[1::2], strict=True):
+        gathered, at = [], 0
+        for n in parts:
+            mine = replies[at:at + 2 * n]
+            at += 2 * n
+            gathered.append((all(mine[::2]), next((r for r in mine[1::2] if r is not None), None)))
+        for job, (alive, released) in zip(active, gathered, strict=True):
             key = (job.id, job.attempt)
             live.add(key)
             if released is not None and not alive:
@@ -159,6 +171,8 @@ class Reaper:
             job.attempt = attempt + 1
             job.status = "queued"
             job.dispatched_at = None
+            # Its slots are free (its ranks are gone by now): the scheduler places the next attempt afresh.
+            job.placement = None
             events.append(session, job, "state", {"status": "queued", "reason": why, "previous_attempt": attempt})
             log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, why, attempt + 1)
             return True
@@ -188,7 +202,8 @@ class Reaper:
                                or_(Job.updated_at <= self.lost_at_db, Job.dispatched_at <= self.lost_at))
             # Never marked sent: the send failed or the commit after it did. Once the dispatcher is surely
             # done with it, a new attempt is safer than the same one, whose claim key may have gone with the data.
-            unsent = and_(Job.dispatched_at.is_(None), Job.updated_at <= self.lost_at_db,
+            # A job the scheduler has not placed was never sent: it has nothing to lose.
+            unsent = and_(Job.dispatched_at.is_(None), Job.placement.is_not(None), Job.updated_at <= self.lost_at_db,
                           Job.updated_at < db_now - timedelta(seconds=UNSENT_GRACE_SECONDS))
             query = select(Job).where(Job.status == "queued", or_(sent_before, unsent))
             if self.redriven:

@@ -40,6 +40,13 @@ class Checkpoint(BaseModel):
     committed: bool
 
 
+class NodePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    node: str
+    devices: list[str] = Field(description="The node's device ids (GPU ids, or CPU process slots)")
+
+
 class JobSummary(BaseModel):
     """A job as lists show it: everything but the request and its resolution (read one job for those)."""
 
@@ -57,6 +64,10 @@ class JobSummary(BaseModel):
     checkpoints: list[Checkpoint]
     output: dict[str, Any] | None = Field(description="Where the exported model is, once the job succeeded")
     metadata: dict[str, Any]
+    placement: list[NodePart] | None = Field(default=None, description=(
+        "Where the current attempt was placed, one entry per node; null while it waits"))
+    queued_reason: str | None = Field(default=None, description=(
+        "While queued: what it waits for, e.g. 'waiting for 4 free h200 slots on queue default; largest free: 2'"))
 
 
 class Job(JobSummary):
@@ -83,6 +94,28 @@ class EventPage(BaseModel):
     data: list[Event]
     has_more: bool
     next_after: int | None = Field(description="Pass as `after` to read on")
+
+
+class NodeJob(BaseModel):
+    id: str
+    status: JobStatus
+    devices: list[str]
+
+
+class Node(BaseModel):
+    name: str
+    kind: str = Field(description="Device kind, e.g. h200 or cpu")
+    queues: list[str] = Field(description="The job queues it serves")
+    slots_total: int
+    slots_free: int = Field(description="0 while the node is lost or draining: it receives nothing then")
+    jobs: list[NodeJob] = Field(description="Placed jobs that have not ended")
+    jobs_max: int = Field(description="Jobs its worker runs at once")
+    last_seen: datetime
+    state: Literal["up", "draining", "lost"]
+
+
+class NodeList(BaseModel):
+    data: list[Node]
 
 
 class Health(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,13 +96,18 @@ class Stack:
     def start_controlplane(self) -> None:
         self._start("controlplane", [sys.executable, "-m", "api.controlplane"])
 
-    def start_worker(self, name: str = "worker1", queues: str | None = None) -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str = "worker1", queues: str | None = None, *, node: str | None = None,
+                     slots: int | None = None) -> subprocess.Popen[bytes]:
+        """One node's worker (`python -m worker`: a threads pool, one thread per slot, consuming only the
+        node's own queue). Its node is `node`, else FT_NODE_NAME, else `name`: the tests' workers are
+        nodes of their own on one host."""
         queues = queues or self.env.get("FT_QUEUES", "default")
-        # solo pool: the task runs in the worker process itself, one job at a time, and the launcher's
-        # guard watches exactly this process.
-        return self._start(name, [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker",
-                                  "--pool", "solo", "--concurrency", "1", "-Q", queues, "-n", f"{name}@%h",
-                                  "--without-gossip", "--without-mingle", "--loglevel", "INFO"])
+        extra = {"FT_QUEUES": queues, "FT_NODE_NAME": node or self.env.get("FT_NODE_NAME") or name,
+                 # The stack's nodes are processes of this one host: a multi-node job meets on the loopback.
+                 "FT_NODE_ADDR": self.env.get("FT_NODE_ADDR", "127.0.0.1")}
+        if slots is not None:
+            extra["FT_NODE_SLOTS"] = str(slots)
+        return self._start(name, [sys.executable, "-m", "worker"], extra)
 
     def wait_ready(self, timeout: float = 60) -> None:
         end = time.monotonic() + timeout
@@ -143,7 +149,7 @@ def main() -> int:
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()
-    stack.start_worker()
+    stack.start_worker(node=os.environ.get("FT_NODE_NAME") or socket.gethostname())
     stack.wait_ready()
     print(f"API on {stack.api_url} (docs at {stack.api_url}/docs); logs in {stack.log_dir}; Ctrl-C stops all.",
           flush=True)

@@ -39,4 +39,8 @@ def test_compose_stack_has_the_production_pieces() -> None:
     env = services["api"]["environment"]
     assert env["FT_ENV"] == "production" and "FT_ALLOW_ANONYMOUS" not in env and "FT_API_TOKEN" not in env
     worker_command = " ".join(services["worker"]["command"])
-    assert "python -m worker.prebuild && exec celery" in worker_command and "--pool solo" in worker_command
+    assert "python -m worker.prebuild && exec python -m worker" in worker_command
+    # A second GPU node is the same service under another node name.
+    second = services["worker-2"]
+    assert second["environment"]["FT_NODE_NAME"] != services["worker"]["environment"]["FT_NODE_NAME"]
+    assert second["command"] == services["worker"]["command"] and second["profiles"] == ["second-node"]

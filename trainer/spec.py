@@ -244,7 +244,13 @@ class DeepSpeedOptions(_Strict):
 
 class Resources(_Strict):
     num_gpus: int = Field(default=1, ge=1, le=64, description="Launcher processes per node")
+    num_nodes: int = Field(default=1, ge=1, le=64, description=(
+        "Nodes of the job, each running num_gpus processes (world size num_nodes × num_gpus); placed all at once "
+        "or not at all"))
     queue: str = Field(default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    priority: int = Field(default=0, ge=-1000, le=1000,
+                          description="Higher runs first; among equal priorities the oldest job first, owners "
+                                      "taking turns")
     time_limit_seconds: int = Field(default=24 * 3600, ge=10, le=30 * 24 * 3600)
     on_oom: Literal["fail", "adapt"] = Field(
         default="fail",
@@ -327,9 +333,31 @@ class RunPaths(_Strict):
     data_root: str | None = None
 
 
+class GangMember(_Strict):
+    node: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    devices: list[str] = Field(min_length=1, max_length=1024)
+
+
+class NodeShare(_Strict):
+    """One node's part of a placed job, as the control plane chose it (api/scheduler.py)."""
+
+    node: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    devices: list[str] = Field(min_length=1, max_length=1024,
+                               description="The node's device ids for this job: GPU ids, or CPU process slots")
+    kind: str = "cpu"
+    node_rank: int = Field(default=0, ge=0)
+    num_nodes: int = Field(default=1, ge=1)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    # Every node of a multi-node job in node-rank order (each node writes the same hostfile); empty for one node.
+    gang: list[GangMember] = Field(default_factory=list, max_length=64)
+
+
 class RunSpec(_Strict):
     """The file handed to `python -m trainer --spec`: the resolved job plus where to write."""
 
     job: ResolvedJob
     paths: RunPaths
     attempt: int = 1
+    # Null when the trainer is run by hand: one node, every device the launcher was given.
+    placement: NodeShare | None = None

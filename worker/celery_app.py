@@ -1,9 +1,15 @@
-"""The Celery application: Redis broker, JSON only, one job per worker with nothing prefetched."""
+"""The Celery application: Redis broker, JSON only, one job per pool slot with nothing prefetched."""
 
 from __future__ import annotations
 
-from celery import Celery
+import logging
+from typing import Any
 
+import redis
+from celery import Celery
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
+
+from worker.node import Announcer, NodeSettings, describe, own_queue_only
 from worker.settings import WorkerSettings
 
 settings = WorkerSettings()
@@ -24,3 +30,36 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )
+
+
+# -- the node: announce it, consume only its own queue (worker/node.py) ----------------------------
+_announcer: Announcer | None = None
+
+
+@celeryd_after_setup.connect
+def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
+    """Before the worker consumes anything: its queues become the node's served queues, and it takes tasks
+    only from the node's own queue, where the control plane sends exactly what fits the node's slots."""
+    global _announcer
+    node = NodeSettings()
+    served = own_queue_only(instance.app.amqp.queues, node.name)
+    record = describe(node, served, jobs_max=int(getattr(instance, "concurrency", 1) or 1))
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    _announcer = Announcer(client, record, heartbeat=settings.heartbeat_seconds, ttl=settings.lease_ttl_seconds)
+    if record["jobs_max"] < record["slots"]:
+        logging.getLogger(__name__).warning(
+            "node %s offers %d slots but its pool runs %d job(s) at once: start it with `python -m worker` "
+            "(a threads pool of one thread per slot)", node.name, record["slots"], record["jobs_max"])
+
+
+@worker_ready.connect
+def _announce(**_: Any) -> None:
+    if _announcer is not None:
+        _announcer.start()
+
+
+@worker_shutting_down.connect
+def _drain(**_: Any) -> None:
+    # A deploy: the node takes no new placements; its running jobs are released and requeued elsewhere.
+    if _announcer is not None:
+        _announcer.drain()

@@ -41,8 +41,9 @@ REDIS_TIMEOUT_SECONDS = 0.5
 class LeaseWatch:
     """Knows until when the attempt is provably current, from what Redis last said."""
 
-    def __init__(self, client: redis.Redis, job_id: str, attempt: int, owner: str, valid_until: float) -> None:
-        self.r, self.job_id, self.attempt, self.owner = client, job_id, attempt, owner
+    def __init__(self, client: redis.Redis, job_id: str, attempt: int, owner: str, valid_until: float,
+                 part: int = 0) -> None:
+        self.r, self.job_id, self.attempt, self.owner, self.part = client, job_id, attempt, owner, part
         self.valid_until = valid_until  # monotonic clock
         self.last_error: str | None = None
 
@@ -51,8 +52,8 @@ class LeaseWatch:
         sent = time.monotonic()
         try:
             current, ttl_ms, holder = (self.r.pipeline(transaction=False).get(attempt_key(self.job_id))
-                                       .pttl(lease_key(self.job_id, self.attempt))
-                                       .get(lease_key(self.job_id, self.attempt)).execute())
+                                       .pttl(lease_key(self.job_id, self.attempt, self.part))
+                                       .get(lease_key(self.job_id, self.attempt, self.part)).execute())
             self.last_error = None
         except redis.RedisError as exc:
             current = ttl_ms = holder = None
@@ -86,6 +87,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--owner", help="the lease's value: the worker that holds it")
     parser.add_argument("--lease-expires-at", type=float, help="when the lease the worker just set expires (epoch s)")
     parser.add_argument("--fenced-file", type=Path)
+    parser.add_argument("--part", type=int, default=0, help="this node's part (node rank) of a multi-node job")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
         client = redis.Redis.from_url(args.redis, socket_timeout=REDIS_TIMEOUT_SECONDS,
                                       socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
         valid_until = time.monotonic() + max(0.0, args.lease_expires_at - time.time())
-        watch = LeaseWatch(client, args.job, args.attempt, args.owner, valid_until)
+        watch = LeaseWatch(client, args.job, args.attempt, args.owner, valid_until, args.part)
     child = subprocess.Popen(command)
 
     def forward(signum: int, _frame: object) -> None:

@@ -14,17 +14,52 @@ def cancel_key(job_id: str) -> str:
     return f"ft:job:{job_id}:cancel"
 
 
-def lease_key(job_id: str, attempt: int) -> str:
-    """Refreshed by the worker while it supervises the attempt; its expiry means the worker is gone."""
-    return f"ft:job:{job_id}:lease:{attempt}"
+def _part(part: int) -> str:
+    # A multi-node job runs one part per node (its node rank); part 0 keeps the single-node job's names.
+    return f":{part}" if part else ""
 
 
-def claim_key(job_id: str, attempt: int) -> str:
-    """Set once, so a redelivered task message cannot start the same attempt twice."""
-    return f"ft:job:{job_id}:claim:{attempt}"
+def lease_key(job_id: str, attempt: int, part: int = 0) -> str:
+    """Refreshed by the worker while it supervises its part of the attempt; its expiry means the worker is gone."""
+    return f"ft:job:{job_id}:lease:{attempt}{_part(part)}"
 
 
-def released_key(job_id: str, attempt: int) -> str:
+def claim_key(job_id: str, attempt: int, part: int = 0) -> str:
+    """Set once, so a redelivered task message cannot start the same part of an attempt twice."""
+    return f"ft:job:{job_id}:claim:{attempt}{_part(part)}"
+
+
+def released_key(job_id: str, attempt: int, part: int = 0) -> str:
     """Set by a worker that shut down after the attempt checkpointed: the control plane requeues the job
     at once, and does not count it as a lost worker."""
-    return f"ft:job:{job_id}:released:{attempt}"
+    return f"ft:job:{job_id}:released:{attempt}{_part(part)}"
+
+
+def part_done_key(job_id: str, attempt: int, part: int) -> str:
+    """Set by a node (rank > 0) whose part of a multi-node attempt ended cleanly: its lease may go now, and the
+    job's end is node 0's to report."""
+    return f"ft:job:{job_id}:done:{attempt}{_part(part)}"
+
+
+def gang_stop_key(job_id: str, attempt: int) -> str:
+    """Set by the first part of a multi-node attempt that failed: every other part stops its ranks."""
+    return f"ft:job:{job_id}:stop:{attempt}"
+
+
+def rendezvous_key(job_id: str, attempt: int) -> str:
+    """'addr:port' where node 0 of a multi-node attempt listens: the other nodes' launchers wait for it."""
+    return f"ft:job:{job_id}:rendezvous:{attempt}"
+
+# -- nodes (worker/node.py announces them, api/scheduler.py places jobs on them) -------------------
+NODES_SET = "ft:nodes"  # every node name ever announced: the control plane reads each one's key
+NODE_QUEUE_PREFIX = "node."
+
+
+def node_key(name: str) -> str:
+    """The node's announcement (JSON: kind, slots, devices, queues, ...), with a TTL its heartbeat renews."""
+    return f"ft:node:{name}"
+
+
+def node_queue(name: str) -> str:
+    """The Celery queue only this node's worker consumes: the control plane sends it the jobs it placed there."""
+    return NODE_QUEUE_PREFIX + name

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,7 +25,17 @@ from typing import Any
 import redis
 
 from trainer import fence, swap
-from worker.keys import attempt_key, cancel_key, claim_key, lease_key, released_key
+from trainer.spec import NodeShare, RunSpec
+from worker.keys import (
+    attempt_key,
+    cancel_key,
+    claim_key,
+    gang_stop_key,
+    lease_key,
+    part_done_key,
+    released_key,
+    rendezvous_key,
+)
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
 from worker.publisher import Publisher
@@ -41,11 +52,66 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launcher_argv(python: str, num_procs: int, spec_file: Path, log_dir: Path) -> list[str]:
-    """The DeepSpeed launcher running the trainer module on every rank."""
-    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_procs),
+def launcher_argv(python: str, num_procs: int, spec_file: Path, log_dir: Path,
+                  share: NodeShare | None = None, gang: Gang | None = None) -> list[str]:
+    """The DeepSpeed launcher running the trainer module on every rank of this node's share."""
+    if gang is not None:
+        # DeepSpeed's own multi-node launch without SSH: every node runs the runner with the same hostfile,
+        # its own --node_rank, and node 0's address and port; the runner starts only this node's ranks
+        # (deepspeed.launcher.launch with the whole world's layout), so ranks number across the nodes.
+        argv = [python, "-m", "deepspeed.launcher.runner", "--hostfile", str(gang.hostfile), "--no_ssh",
+                "--node_rank", str(gang.node_rank), "--master_addr", gang.master_addr,
+                "--master_port", str(gang.master_port)]
+        if gang.include:
+            argv += ["--include", gang.include]
+        return argv + ["--enable_each_rank_log", str(log_dir), "--module", "trainer", "--spec", str(spec_file)]
+    if share is not None and share.kind != "cpu":
+        # The devices the control plane placed the job on, by this node's GPU ids: the launcher sets each
+        # rank's CUDA_VISIBLE_DEVICES from them (it refuses --num_gpus together with --include).
+        devices = ["--include", f"localhost:{','.join(share.devices)}"]
+    else:
+        # CPU slots are bookkeeping: as many processes as slots placed (the OS schedules them).
+        devices = ["--num_gpus", str(len(share.devices) if share is not None else num_procs)]
+    return [python, "-m", "deepspeed.launcher.runner", *devices,
             "--master_port", str(free_port()), "--enable_each_rank_log", str(log_dir),
             "--module", "trainer", "--spec", str(spec_file)]
+
+
+class Gang:
+    """This node's view of a multi-node attempt: the hostfile every node writes alike, and node 0's address."""
+
+    def __init__(self, hostfile: Path, node_rank: int, master_addr: str, master_port: int, include: str) -> None:
+        self.hostfile, self.node_rank, self.include = hostfile, node_rank, include
+        self.master_addr, self.master_port = master_addr, master_port
+
+
+def hostfile_text(parts: list[tuple[str, int]]) -> str:
+    """`name slots=N` per node, in node-rank order. Names are labels only: with --no_ssh nothing resolves them."""
+    return "".join(f"{name} slots={slots}\n" for name, slots in parts)
+
+
+class Running:
+    """How many attempts this worker process supervises right now (one per slot-thread of its pool)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def __enter__(self) -> Running:
+        with self._lock:
+            self.count += 1
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        with self._lock:
+            self.count -= 1
+
+    def alone(self) -> bool:
+        with self._lock:
+            return self.count <= 1
+
+
+RUNNING = Running()
 
 
 def spawn(argv: list[str], *, env: dict[str, str], cwd: Path, guard: list[str]) -> subprocess.Popen[bytes]:
@@ -101,6 +167,12 @@ class Attempt:
         self.job_id, self.attempt, self.job_dir = job_id, attempt, job_dir
         self.attempt_dir = job_dir / "attempts" / str(attempt)
         self.run_spec = {**run, "attempt": attempt}
+        placement = run.get("placement") or {}
+        # Which part of a multi-node attempt this is (its node rank), and how many parts there are.
+        self.part, self.parts = int(placement.get("node_rank", 0)), int(placement.get("num_nodes", 1))
+        self.node = str(placement.get("node", ""))
+        # What a multi-node attempt's log lines carry besides their rank: which node they came from.
+        self.where = {"node": self.node} if self.parts > 1 else {}
         self.settings = settings
         self.r = client
         self.pub = Publisher(client, job_id, attempt)
@@ -127,18 +199,22 @@ class Attempt:
     def control(self) -> str | None:
         """'stale' or 'cancel' when the control plane wants this attempt gone."""
         try:
-            current, cancelled = self.r.pipeline(transaction=False).get(attempt_key(self.job_id)).exists(
-                cancel_key(self.job_id)).execute()
+            current, cancelled, stopped = self.r.pipeline(transaction=False).get(attempt_key(self.job_id)).exists(
+                cancel_key(self.job_id)).get(gang_stop_key(self.job_id, self.attempt)).execute()
         except redis.RedisError:
             return None
         if current is not None and int(current) != self.attempt:
             return "stale"
-        return "cancel" if cancelled else None
+        if cancelled:
+            return "cancel"
+        if stopped is not None and self.parts > 1:
+            return "gang_stopped"  # another node's part failed: this one's ranks cannot go on alone
+        return None
 
     def heartbeat(self, ttl: float) -> None:
         sent = time.time()
         try:
-            self.r.set(lease_key(self.job_id, self.attempt), self.worker_id, px=int(ttl * 1000))
+            self.r.set(lease_key(self.job_id, self.attempt, self.part), self.worker_id, px=int(ttl * 1000))
             self.lease_expires_at = sent + ttl
         except redis.RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
@@ -148,12 +224,12 @@ class Attempt:
         for line in reader.take():
             self.rank_watch.see(line)
             self.tail.append(line)
-            self.pending.append(("log", {"rank": None, "line": line}))
+            self.pending.append(("log", {"rank": None, "line": line, **self.where}))
         for rank, line in (ranks.close() if final else ranks.poll()):
             event = parse_trainer_event(line)
             if event is None:
                 self.tail.append(f"[rank {rank}] {line}")
-                self.pending.append(("log", {"rank": rank, "line": line}))
+                self.pending.append(("log", {"rank": rank, "line": line, **self.where}))
                 continue
             kind = str(event.pop("event"))
             if kind == "error" and self.trainer_error is None:
@@ -165,21 +241,47 @@ class Attempt:
 
     # -- the attempt ----------------------------------------------------------------------------
     def prepare(self) -> tuple[Path, Path, Path]:
-        log_dir = self.attempt_dir / "logs"
+        # Every node of a multi-node attempt writes into the same shared folder: each part its own files.
+        suffix = f".node{self.part}" if self.part else ""
+        log_dir = self.attempt_dir / f"logs{suffix}"
         log_dir.mkdir(parents=True, exist_ok=True)
         output_dir = Path(self.run_spec["paths"]["output_dir"])
-        # A marker left by an earlier attempt must not make this one look finished.
-        (output_dir / "COMPLETE").unlink(missing_ok=True)
-        spec_file = self.attempt_dir / "spec.json"
+        if self.part == 0:
+            # A marker left by an earlier attempt must not make this one look finished.
+            (output_dir / "COMPLETE").unlink(missing_ok=True)
+        spec_file = self.attempt_dir / f"spec{suffix}.json"
         spec_file.write_text(json.dumps(self.run_spec, indent=2))
-        (self.attempt_dir / "ds_config.json").write_text(
-            json.dumps(self.run_spec["job"]["deepspeed_config"], indent=2))
         return spec_file, log_dir, output_dir
+
+    def rendezvous(self, share: NodeShare) -> Gang | None:
+        """Node 0 picks its port and publishes it; the other nodes wait for it (watching cancel and the
+        attempt key meanwhile). None: the attempt was stopped while waiting."""
+        key = rendezvous_key(self.job_id, self.attempt)
+        if self.part == 0:
+            where = f"{share.master_addr}:{share.master_port or free_port()}"
+            self.r.set(key, where, ex=7 * 24 * 3600)
+        else:
+            where = ""
+            while not where:
+                self.heartbeat(self.settings.lease_ttl_seconds)
+                if self.control() is not None:
+                    return None
+                raw = self.r.get(key)
+                where = raw.decode() if raw else ""
+                if not where:
+                    time.sleep(self.settings.poll_seconds)
+        addr, port = where.rsplit(":", 1)
+        parts = share.gang
+        hostfile = self.attempt_dir / f"hostfile{f'.node{self.part}' if self.part else ''}"
+        hostfile.write_text(hostfile_text([(p.node, len(p.devices)) for p in parts]))
+        include = "" if share.kind == "cpu" else "@".join(f"{p.node}:{','.join(p.devices)}" for p in parts)
+        return Gang(hostfile, self.part, addr, int(port), include)
 
     def guard_args(self) -> list[str]:
         return ["--redis", self.settings.redis_url, "--job", self.job_id, "--attempt", str(self.attempt),
                 "--owner", self.worker_id, "--lease-expires-at", repr(self.lease_expires_at),
-                "--fenced-file", str(self.attempt_dir / FENCED)]
+                "--fenced-file", str(self.attempt_dir / f"{FENCED}{f'.node{self.part}' if self.part else ''}"),
+                "--part", str(self.part)]
 
     def execute(self) -> Outcome:
         s = self.settings
@@ -189,13 +291,25 @@ class Attempt:
             log.info("job %s attempt %s: attempt %s already started here; nothing to do", self.job_id,
                      self.attempt, newest)
             return Outcome(Status.STALE)
+        # The contract, checked as the trainer will check it: a malformed message fails here, visibly.
+        contract = RunSpec.model_validate(self.run_spec)
         spec_file, log_dir, output_dir = self.prepare()
         ext_dir = extensions_dir(s)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(ext_dir),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
-        argv = launcher_argv(s.python or sys.executable, self.run_spec["job"]["world_size"], spec_file, log_dir)
+        if contract.placement is not None and contract.placement.kind != "cpu":
+            # The launcher would otherwise read it as the devices to use; --include names them instead.
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        gang = None
+        if contract.placement is not None and contract.placement.num_nodes > 1:
+            gang = self.rendezvous(contract.placement)
+            if gang is None:
+                return self.decide(self.control(), None, output_dir, 0)
+        argv = launcher_argv(s.python or sys.executable, contract.job.world_size, spec_file, log_dir,
+                             contract.placement, gang)
         self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
-        # The worker runs one job at a time, so the growth of its children's CPU time is this job's.
+        # The growth of the worker's children's CPU time: this job's alone on a node running one job at a time;
+        # with several jobs at once it also counts the others' children that ended meanwhile (an upper bound).
         before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
         proc = spawn(argv, env=env, cwd=self.job_dir, guard=self.guard_args())
         pgid = proc.pid
@@ -243,14 +357,15 @@ class Attempt:
                           "wall_seconds": round(time.monotonic() - started, 2)}
         reader.join(timeout=2)
         self.collect(reader, ranks, final=True)
-        fenced = self.attempt_dir / FENCED
+        fenced = self.attempt_dir / f"{FENCED}{f'.node{self.part}' if self.part else ''}"
         if fenced.is_file():
             reason = "stale"
             log.warning("job %s attempt %s was fenced by its guard: %s", self.job_id, self.attempt,
                         fenced.read_text())
         if not gone:
             self.pending.append(("log", {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
-        elif reason is not None or proc.returncode != 0:
+        elif (reason is not None or proc.returncode != 0) and RUNNING.alone():
+            # Only while no other attempt of this node runs: another one may be building an op under its lock.
             for lock in release_stale_build_locks(ext_dir):
                 self.pending.append(("log", {"rank": None, "line": f"removed the stale op build lock {lock}"}))
         folder = swap.attempt_folder(self.run_spec)
@@ -260,7 +375,16 @@ class Attempt:
         return self.decide(reason, proc.returncode, output_dir, time_limit)
 
     def decide(self, reason: str | None, exit_code: int | None, output_dir: Path, time_limit: int) -> Outcome:
-        if reason == "stale":
+        if reason in ("stale", "gang_stopped"):
+            return Outcome(Status.STALE)  # the part that stopped the gang reports why
+        if self.part > 0 and reason is None and exit_code == 0:
+            # This node's ranks finished; node 0 (rank 0 exports and writes the completion marker) reports
+            # the job's end. Its lease may lapse now without looking like a lost node.
+            try:
+                self.r.set(part_done_key(self.job_id, self.attempt, self.part), "1", ex=7 * 24 * 3600)
+            except redis.RedisError as exc:
+                log.warning("could not mark part %d done (its lease stays until the report window): %s",
+                            self.part, exc)
             return Outcome(Status.STALE)
         if reason == "cancel":
             return Outcome(Status.CANCELLED)
@@ -288,12 +412,21 @@ class Attempt:
                     "worker": self.worker_id}
             try:
                 self.r.pipeline(transaction=False).set(
-                    released_key(self.job_id, self.attempt), json.dumps(note), ex=7 * 24 * 3600).delete(
-                    lease_key(self.job_id, self.attempt)).execute()
+                    released_key(self.job_id, self.attempt, self.part), json.dumps(note), ex=7 * 24 * 3600).delete(
+                    lease_key(self.job_id, self.attempt, self.part)).execute()
             except redis.RedisError as exc:
                 log.warning("could not hand the job back (its lease expires by itself): %s", exc)
             return
+        if self.parts > 1 and outcome.status is not Status.SUCCEEDED:
+            # One state for the gang: every other node's part stops its ranks now (worker/keys.py).
+            try:
+                self.r.set(gang_stop_key(self.job_id, self.attempt), self.node or str(self.part), ex=7 * 24 * 3600)
+            except redis.RedisError as exc:
+                log.warning("could not stop the other parts (their guards end them when the attempt moves on): %s",
+                            exc)
         data: dict[str, Any] = {"status": outcome.status.value, "usage": self.usage}
+        if self.parts > 1:
+            data["node"], data["node_rank"] = self.node, self.part
         if outcome.error:
             data["error"] = outcome.error
         if outcome.output:
@@ -326,7 +459,8 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
     if current is not None and int(current) != attempt:
         log.info("job %s attempt %s is stale (current %s): nothing to do", job_id, attempt, current)
         return Status.STALE
-    if not r.set(claim_key(job_id, attempt), f"{socket.gethostname()}:{os.getpid()}", nx=True,
+    part = int((run.get("placement") or {}).get("node_rank", 0))
+    if not r.set(claim_key(job_id, attempt, part), f"{socket.gethostname()}:{os.getpid()}", nx=True,
                  ex=30 * 24 * 3600):
         log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
         return Status.STALE
@@ -339,7 +473,8 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
         att.pending.append(("state", {"status": "starting", "worker": att.worker_id}))
         att.flush()
         try:
-            outcome = att.execute()
+            with RUNNING:
+                outcome = att.execute()
         except Exception as exc:  # a supervisor bug must still end the job visibly
             log.exception("supervising job %s failed", job_id)
             outcome = Outcome(Status.FAILED, error={"code": "worker_error", "message": repr(exc)})

@@ -120,7 +120,8 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
     _patch_nvme(resolved.deepspeed_config, resolved.spec.deepspeed.nvme_path)
     job_id = new_id()
     job_dir = str(root_path(settings.artifacts_root) / "jobs" / job_id)
-    owner, gpus = caller.owner, resolved.spec.resources.num_gpus
+    # What a quota counts: every GPU of the job, on all its nodes.
+    owner, gpus = caller.owner, resolved.spec.resources.num_gpus * resolved.spec.resources.num_nodes
     args: list[Any] = [
         job_id, spec.name, spec.resources.queue, to_json(request), to_json(resolved.model_dump(mode="json")), job_dir,
         to_json({"step": 0, "total_steps": spec.hyperparameters.max_steps}), to_json(spec.metadata), owner, gpus]

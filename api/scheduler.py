@@ -1,0 +1,245 @@
+"""Placement: which node's slots each queued job gets. The one place this is decided.
+
+A pass, run by the dispatcher thread (api/dispatcher.py) before it sends anything:
+
+1. copies the nodes' announcements from Redis (worker/node.py) into the `nodes` table, `last_seen` by the
+   database's clock; a node not seen for `FT_LEASE_GRACE_SECONDS` after its key expired is lost;
+2. takes back the placements on nodes gone (unseen for a lease TTL beyond the grace) or draining that no
+   worker started yet (no lease): such a job goes out again as its next attempt, so the old node, should it
+   come back, finds its message stale;
+3. places queued jobs, in order: higher `resources.priority` first; among equal priorities owners take
+   turns (each owner's oldest, then each owner's second oldest, ...), then the oldest first. A job goes
+   to the live node of its queue with the fewest free slots that still fit it (best fit keeps large
+   holes for large jobs), on the lowest free devices. Its placement is committed; the dispatcher sends
+   it to that node's own queue only afterwards, so no message ever names slots Postgres does not hold.
+
+No starvation of large jobs, by reservation: the first job of a queue that does not fit reserves the
+node of its queue closest to fitting it, and no later job is placed on that node, so the node's slots
+come free for it as its jobs end. Later jobs still fill the other nodes (backfill).
+
+Race-free: a pass runs under a transaction-level advisory lock (two control planes never place at once),
+every count is read inside it, and a placement is written only if the job is still queued and unplaced
+on the same attempt (a cancel or requeue that got there first wins).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from api.db import session_scope
+from api.models import UNFINISHED, Job
+from api.services import events
+from api.settings import ApiSettings
+from worker.keys import NODES_SET, lease_key, node_key
+
+log = logging.getLogger(__name__)
+
+LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))"
+PER_QUEUE = 50  # jobs of one queue looked at per pass: a long blocked queue must not hide the others
+
+UPSERT_NODE = text("""
+INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, first_seen, last_seen)
+VALUES (:name, :kind, :slots, CAST(:devices AS jsonb), :queues, :jobs_max, :draining, :worker, :addr, now(), now())
+ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, devices = EXCLUDED.devices,
+    queues = EXCLUDED.queues, jobs_max = EXCLUDED.jobs_max, draining = EXCLUDED.draining,
+    worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()""")
+NODES = text("""
+SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
+       last_seen >= now() - make_interval(secs => :grace) AS live,
+       last_seen < now() - make_interval(secs => :gone) AS gone FROM nodes ORDER BY name""")
+HELD = text(f"""
+SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
+WHERE placement IS NOT NULL AND status IN {UNFINISHED!r}""")
+CANDIDATES = text("""
+WITH q AS (
+    SELECT id, seq, attempt, owner, queue, queued_reason,
+           coalesce((resolved->'spec'->'resources'->>'priority')::int, 0) AS priority,
+           coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
+           coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
+    FROM jobs WHERE status = 'queued' AND placement IS NULL AND queue = ANY(:queues)
+), turns AS (
+    SELECT *, row_number() OVER (PARTITION BY queue, owner, priority ORDER BY seq) AS turn FROM q
+), ranked AS (
+    SELECT *, row_number() OVER (PARTITION BY queue ORDER BY priority DESC, turn, seq) AS pos FROM turns
+)
+SELECT id, attempt, queue, per_node, num_nodes, queued_reason FROM ranked WHERE pos <= :per_queue
+ORDER BY priority DESC, turn, seq""")
+PLACE = text("""
+UPDATE jobs SET placement = CAST(:placement AS jsonb), queued_reason = NULL, dispatched_at = NULL,
+                updated_at = now()
+WHERE id = :id AND attempt = :attempt AND status = 'queued' AND placement IS NULL RETURNING id""")
+REASON = text("""
+UPDATE jobs SET queued_reason = :reason
+WHERE id = :id AND status = 'queued' AND placement IS NULL AND queued_reason IS DISTINCT FROM :reason""")
+# Jobs of queues no live node serves, in one statement: they are not looked at one by one.
+UNSERVED = text("""
+UPDATE jobs SET queued_reason = 'waiting for a node serving queue ' || queue || ': none is up'
+WHERE status = 'queued' AND placement IS NULL AND NOT (queue = ANY(:queues))
+  AND queued_reason IS DISTINCT FROM 'waiting for a node serving queue ' || queue || ': none is up'""")
+
+
+@dataclass
+class NodeState:
+    name: str
+    kind: str
+    slots: int
+    devices: list[str]
+    queues: list[str]
+    jobs_max: int
+    usable: bool  # live and not draining
+    addr: str = "127.0.0.1"
+    # Unseen for a lease TTL beyond the grace: not a blip of Redis or of this control plane (which stop every
+    # node's refresh at once) but a node that is gone. Only then are its unstarted placements taken back.
+    gone: bool = False
+    used: set[str] = field(default_factory=set)
+    jobs: int = 0
+    reserved_by: str | None = None
+
+    @property
+    def free(self) -> list[str]:
+        return [d for d in self.devices if d not in self.used]
+
+    def fits(self, need: int) -> bool:
+        return self.usable and self.jobs < self.jobs_max and len(self.free) >= need
+
+
+def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
+    names = sorted(n.decode() for n in client.smembers(NODES_SET))
+    if not names:
+        return []
+    values = client.mget([node_key(n) for n in names])
+    out = []
+    for raw in values:
+        if raw is None:
+            continue  # expired: the node stopped heartbeating
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            log.warning("a node announcement is not JSON: %r", raw[:200])
+    return out
+
+
+def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> None:
+    for a in announced:
+        session.execute(UPSERT_NODE, {
+            "name": str(a["name"])[:64], "kind": str(a.get("kind", "cpu"))[:32], "slots": int(a["slots"]),
+            "devices": json.dumps([str(d) for d in a.get("devices", [])]),
+            "queues": [str(q)[:64] for q in a.get("queues", [])], "jobs_max": int(a.get("jobs_max", 1)),
+            "draining": bool(a.get("draining")), "worker": str(a.get("worker", ""))[:200],
+            "addr": str(a.get("addr", "127.0.0.1"))[:200]})
+
+
+def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) -> str:
+    serving = [n for n in nodes if queue in n.queues and n.usable]
+    if not serving:
+        return f"waiting for a node serving queue {queue}: none is up"
+    kinds = "/".join(sorted({n.kind for n in serving}))
+    big_enough = [n for n in serving if n.slots >= need]
+    if len(big_enough) < count:
+        biggest = max(n.slots for n in serving)
+        return (f"queue {queue} has {len(big_enough)} node(s) of at least {need} {kinds} slots (the largest has "
+                f"{biggest}); the job needs {count}: it waits for such nodes to join")
+    free = sorted((len(n.free) if n.jobs < n.jobs_max else 0 for n in serving), reverse=True)
+    if count == 1:
+        return f"waiting for {need} free {kinds} slots on queue {queue}; largest free: {free[0]}"
+    return (f"waiting for {count} nodes with {need} free {kinds} slots each on queue {queue}; free slots of its "
+            f"nodes: {', '.join(map(str, free))}")
+
+
+class Scheduler:
+    def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
+        self.r = client
+        self.settings = settings
+
+    def step(self) -> int:
+        """One placement pass; returns how many jobs it placed (or took back from a lost node)."""
+        announced = read_announcements(self.r)
+        with session_scope() as session:
+            session.execute(text(LOCK))
+            refresh_nodes(session, announced)
+            nodes = {row.name: NodeState(row.name, row.kind, row.slots, list(row.devices), list(row.queues),
+                                         row.jobs_max, bool(row.live) and not row.draining, row.addr,
+                                         bool(row.gone) or row.draining)
+                     for row in session.execute(NODES, {
+                         "grace": self.settings.lease_grace_seconds,
+                         "gone": self.settings.lease_grace_seconds + self.settings.lease_ttl_seconds})}
+            changed = self._take_back(session, nodes)
+            changed += self._place(session, nodes)
+        return changed
+
+    def _take_back(self, session: Session, nodes: dict[str, NodeState]) -> int:
+        """Count the slots placed jobs hold; a job placed on a node that is lost or draining, and not
+        started there (no lease), is put back in the queue as its next attempt."""
+        held = list(session.execute(HELD))
+        back = []
+        for job in held:
+            parts = job.placement or []
+            gone = [p["node"] for p in parts if p["node"] not in nodes or nodes[p["node"]].gone]
+            if job.status == "queued" and gone and not self.r.exists(lease_key(job.id, job.attempt)):
+                back.append((job.id, job.attempt, gone))
+                continue
+            for p in parts:
+                node = nodes.get(p["node"])
+                if node is not None:
+                    node.used.update(str(d) for d in p.get("devices", []))
+                    node.jobs += 1
+        for job_id, attempt, gone in back:
+            row = session.get(Job, job_id, with_for_update=True)
+            if row is None or row.attempt != attempt or row.status != "queued" or row.placement is None:
+                continue
+            row.placement, row.dispatched_at, row.attempt = None, None, attempt + 1
+            events.append(session, row, "state", {
+                "status": "queued", "previous_attempt": attempt,
+                "reason": f"placed on {', '.join(gone)}, which is gone or draining before it started the job"})
+            log.warning("job %s: node %s gone before it started attempt %d; placing it again", job_id,
+                        ", ".join(gone), attempt)
+        return len(back)
+
+    def _place(self, session: Session, nodes: dict[str, NodeState]) -> int:
+        served = sorted({q for n in nodes.values() if n.usable for q in n.queues})
+        session.execute(UNSERVED, {"queues": served})
+        placed = 0
+        blocked_queues: set[str] = set()
+        for job in session.execute(CANDIDATES, {"queues": served, "per_queue": PER_QUEUE}).all():
+            need, count = job.per_node, job.num_nodes
+            fitting = [n for n in nodes.values() if job.queue in n.queues and n.reserved_by is None
+                       and n.fits(need)]
+            if len(fitting) < count:
+                # All or nothing: a gang that does not fit whole holds no slot, so two gangs can never each
+                # hold part of what the other needs.
+                reason = waiting_reason(need, count, job.queue, list(nodes.values()))
+                if job.queue not in blocked_queues:
+                    blocked_queues.add(job.queue)
+                    self._reserve(job.id, job.queue, need, count, nodes)
+                if reason != job.queued_reason:
+                    session.execute(REASON, {"id": job.id, "reason": reason})
+                continue
+            chosen = sorted(fitting, key=lambda n: (len(n.free), n.name))[:count]  # best fit; node rank 0 first
+            placement = [{"node": n.name, "kind": n.kind, "devices": n.free[:need], "addr": n.addr} for n in chosen]
+            if session.execute(PLACE, {"id": job.id, "attempt": job.attempt,
+                                       "placement": json.dumps(placement)}).first() is None:
+                continue  # cancelled or requeued meanwhile: it holds nothing
+            for n, part in zip(chosen, placement, strict=True):
+                n.used.update(part["devices"])
+                n.jobs += 1
+            placed += 1
+            log.info("job %s placed on %s", job.id, "; ".join(f"{p['node']} [{','.join(p['devices'])}]"
+                                                              for p in placement))
+        return placed
+
+    @staticmethod
+    def _reserve(job_id: str, queue: str, need: int, count: int, nodes: dict[str, NodeState]) -> None:
+        """Hold back the `count` nodes of the queue closest to fitting the blocked job (nodes that could ever
+        fit it; none if too few could)."""
+        able = [n for n in nodes.values() if queue in n.queues and n.usable and n.slots >= need
+                and n.reserved_by is None]
+        if len(able) >= count:
+            for n in sorted(able, key=lambda n: (-len(n.free), n.jobs, n.name))[:count]:
+                n.reserved_by = job_id

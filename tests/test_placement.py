@@ -1,0 +1,175 @@
+"""Placement on the real stack: nodes announce themselves, several jobs share a node on disjoint slots, a job
+that does not fit waits with its reason, and a lost node is shown as lost.
+
+Each test starts workers of its own (nodes with their own names and queues) on this host: CPU slots, gloo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.helpers import events_of, job_processes, wait_for, wait_status
+
+END = {"succeeded", "failed", "cancelled"}
+
+
+def node(api: httpx.Client, name: str) -> dict[str, Any] | None:
+    return next((n for n in api.get("/nodes").json()["data"] if n["name"] == name), None)
+
+
+def progressing(api: httpx.Client, job_id: str) -> bool:
+    return bool(events_of(api, job_id, ["progress"]))
+
+
+def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reason(
+        api: httpx.Client, stack: Any, make_job: Any) -> None:
+    # Before any node serves the queue, a job says so.
+    spec = make_job(name="slot", hyperparameters={"max_steps": 100_000}, resources={"num_gpus": 1, "queue": "pair"})
+    early = api.post("/jobs", json=spec).json()
+    wait_for(lambda: api.get(f"/jobs/{early['id']}").json()["queued_reason"]
+             == "waiting for a node serving queue pair: none is up", 10, "the no-node reason")
+
+    stack.start_worker("pair", queues="pair", slots=2)
+    try:
+        up = wait_for(lambda: (n := node(api, "pair")) and n["state"] == "up" and n, 60, "node pair to announce itself")
+        assert up["kind"] == "cpu" and up["queues"] == ["pair"] and up["slots_total"] == 2 and up["jobs_max"] == 2
+
+        second = api.post("/jobs", json=spec).json()
+        third = api.post("/jobs", json=spec).json()
+        first_two = [early["id"], second["id"]]
+        for job_id in first_two:
+            wait_for(lambda j=job_id: progressing(api, j), 240, f"job {job_id} training")
+        # Both train at the same time, each on its own slot of the one node.
+        jobs = [api.get(f"/jobs/{j}").json() for j in first_two]
+        assert all(j["status"] == "running" for j in jobs), [j["status"] for j in jobs]
+        assert sorted(j["placement"][0]["devices"][0] for j in jobs) == ["0", "1"]
+        assert {j["placement"][0]["node"] for j in jobs} == {"pair"}
+        assert all(job_processes(j) for j in first_two)
+
+        waiting = api.get(f"/jobs/{third['id']}").json()
+        assert waiting["status"] == "queued" and waiting["placement"] is None
+        assert waiting["queued_reason"] == "waiting for 1 free cpu slots on queue pair; largest free: 0"
+        busy = node(api, "pair")
+        assert busy is not None and busy["slots_free"] == 0
+        assert sorted(j["id"] for j in busy["jobs"]) == sorted(first_two)
+
+        # A slot comes free: the waiting job takes exactly that slot.
+        freed = jobs[0]["placement"][0]["devices"]
+        api.post(f"/jobs/{early['id']}/cancel")
+        assert wait_status(api, early["id"], END, 30)["status"] == "cancelled"
+        placed = wait_for(lambda: api.get(f"/jobs/{third['id']}").json()["placement"], 20, "the third job placed")
+        assert [(p["node"], p["kind"], p["devices"]) for p in placed] == [("pair", "cpu", freed)]
+        assert api.get(f"/jobs/{third['id']}").json()["queued_reason"] is None
+        wait_for(lambda: progressing(api, third["id"]), 240, "the third job training")
+        for job_id in (second["id"], third["id"]):
+            api.post(f"/jobs/{job_id}/cancel")
+        for job_id in (second["id"], third["id"]):
+            assert wait_status(api, job_id, END, 30)["status"] == "cancelled"
+        for job_id in (early["id"], second["id"], third["id"]):
+            wait_for(lambda j=job_id: not job_processes(j), 10, f"every process of {job_id} gone")
+    finally:
+        stack.stop("pair")
+    # Its heartbeat stops: the node is shown as lost (after its key's TTL and the grace) and offers nothing.
+    lost = wait_for(lambda: (n := node(api, "pair")) and n["state"] == "lost" and n, 20, "node pair shown as lost")
+    assert lost["slots_free"] == 0 and lost["jobs"] == []
+
+
+def test_a_two_node_job_trains_as_one_world_and_a_lost_node_requeues_the_whole_gang(
+        api: httpx.Client, stack: Any, make_job: Any, roots: dict[str, Any]) -> None:
+    for name in ("gang-a", "gang-b"):
+        stack.start_worker(name, queues="gang", slots=1)
+    started_here = ["gang-a", "gang-b"]
+    try:
+        for name in started_here:
+            wait_for(lambda n=name: (x := node(api, n)) and x["state"] == "up", 60, f"node {name} up")
+        spec = make_job(name="gang", hyperparameters={"max_steps": 36},
+                        resources={"num_gpus": 1, "num_nodes": 2, "queue": "gang"},
+                        checkpointing={"every_steps": 6, "keep_last": 2})
+        job = api.post("/jobs", json=spec).json()
+        assert job["resolved"]["world_size"] == 2
+        ckpt = wait_for(lambda: [c for c in events_of(api, job["id"], ["checkpoint"]) if c.get("committed")],
+                        300, "a committed checkpoint")[0]
+        a1 = ckpt["attempt"]
+        running = api.get(f"/jobs/{job['id']}").json()
+        parts = running["placement"]
+        assert sorted(p["node"] for p in parts) == ["gang-a", "gang-b"] and all(p["devices"] == ["0"] for p in parts)
+        started = events_of(api, job["id"], ["started"])
+        assert started and started[0]["world_size"] == 2, started
+        # Node 1's ranks log with their global rank, tagged with their node.
+        logs = [e for e in events_of(api, job["id"], ["log"]) if e.get("rank") == 1]
+        assert logs and {e.get("node") for e in logs} == {parts[1]["node"]}
+        attempt1 = f"{job['id']}/attempts/{a1}/"
+        assert len([p for p in job_processes(attempt1) if " -m trainer " in f" {p} "]) >= 2
+
+        # One node's worker dies: its guard kills its rank, and the other node's rank is stopped too.
+        doomed = parts[1]["node"]
+        survivor = parts[0]["node"]
+        proc = stack.procs.pop(doomed)
+        proc.kill()
+        proc.wait()
+        started_here.remove(doomed)
+        wait_for(lambda: not job_processes(attempt1), 20, "no process of the attempt left on any node")
+        requeued = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["attempt"] == a1 + 1 and j, 30,
+                            "the whole job requeued as one new attempt")
+        assert requeued["status"] in ("queued", "starting", "running")
+
+        # A third node joins; the next attempt runs on it and the survivor, from the checkpoint.
+        stack.start_worker("gang-c", queues="gang", slots=1)
+        started_here.append("gang-c")
+        final = wait_status(api, job["id"], END, 400)
+        assert final["status"] == "succeeded", final["error"]
+        assert final["attempt"] == a1 + 1 and final["progress"]["step"] == 36
+        assert sorted(p["node"] for p in final["placement"]) == sorted([survivor, "gang-c"])
+        evs = events_of(api, job["id"])
+        states = [(e["attempt"], e["status"]) for e in evs if e["type"] == "state"]
+        assert (a1, "lost") in states and (a1 + 1, "queued") in states and states[-1] == (a1 + 1, "succeeded")
+        resumed = [e for e in evs if e["type"] == "started" and e["attempt"] == a1 + 1]
+        assert resumed and resumed[0]["resumed_from_step"] >= ckpt["step"] > 0 and resumed[0]["world_size"] == 2
+        first_step = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == a1 + 1)
+        assert first_step == resumed[0]["resumed_from_step"] + 1
+        assert "model.safetensors" in final["output"]["files"]
+        lost = node(api, doomed)
+        assert lost is not None and lost["state"] == "lost"
+        assert not job_processes(job["id"])
+    finally:
+        for name in started_here:
+            stack.stop(name)
+
+
+def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_every_node(
+        api: httpx.Client, stack: Any, make_job: Any) -> None:
+    for name in ("duo-a", "duo-b"):
+        stack.start_worker(name, queues="duo", slots=1)
+    try:
+        for name in ("duo-a", "duo-b"):
+            wait_for(lambda n=name: (x := node(api, n)) and x["state"] == "up", 60, f"node {name} up")
+        spec = make_job(name="duo", hyperparameters={"max_steps": 100_000},
+                        resources={"num_gpus": 1, "num_nodes": 2, "queue": "duo"})
+        # Two gangs that each need both nodes, submitted together: one gets both, the other none.
+        jobs = [api.post("/jobs", json=spec).json() for _ in range(2)]
+        ids = [j["id"] for j in jobs]
+        first = wait_for(lambda: next((j for j in ids if api.get(f"/jobs/{j}").json()["placement"]), None), 20,
+                         "one gang placed")
+        second = next(j for j in ids if j != first)
+        for _ in range(10):
+            seen = [api.get(f"/jobs/{j}").json() for j in ids]
+            assert all(s["placement"] is None or len(s["placement"]) == 2 for s in seen)
+        waiting = api.get(f"/jobs/{second}").json()
+        assert waiting["placement"] is None and waiting["queued_reason"] == (
+            "waiting for 2 nodes with 1 free cpu slots each on queue duo; free slots of its nodes: 0, 0")
+        wait_for(lambda: progressing(api, first), 240, "the first gang training")
+        # Cancel stops every node's ranks; the waiting gang then gets both nodes whole.
+        api.post(f"/jobs/{first}/cancel")
+        assert wait_status(api, first, END, 30)["status"] == "cancelled"
+        wait_for(lambda: not job_processes(first), 15, "no rank of the cancelled gang on any node")
+        placed = wait_for(lambda: api.get(f"/jobs/{second}").json()["placement"], 30, "the second gang placed")
+        assert sorted(p["node"] for p in placed) == ["duo-a", "duo-b"]
+        wait_for(lambda: progressing(api, second), 240, "the second gang training")
+        api.post(f"/jobs/{second}/cancel")
+        assert wait_status(api, second, END, 30)["status"] == "cancelled"
+        wait_for(lambda: not job_processes(second), 15, "no rank of the second gang on any node")
+    finally:
+        for name in ("duo-a", "duo-b"):
+            stack.stop(name)
