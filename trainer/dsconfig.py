@@ -1001,7 +1001,7 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
                 errors.append(FieldError(f"deepspeed.config.zero_optimization.{key}.nvme_path",
                                          'offload to "nvme" needs nvme_path, a directory under the NVMe root'))
     errors += optimizer_problems(spec, merger)
-    world = spec.resources.num_gpus
+    world = spec.resources.num_gpus * spec.resources.num_nodes  # every node runs num_gpus ranks
     g, m, a = _resolve_batch(spec, world, raw_batch, limits, errors, notes, merger)
     hp = spec.hyperparameters
     if hp.max_steps is not None and hp.warmup_steps > hp.max_steps:
