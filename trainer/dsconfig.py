@@ -694,7 +694,8 @@ class _Merger:
             hp.gradient_clipping = float(dsfields.top_level_default("gradient_clipping"))
         adam = dsfields.table()["adam_defaults"]
         if out.optimizer_type is None:
-            self.notes.append(f"optimizer is unset: the job's {hp.optimizer} runs (lr {hp.learning_rate}, betas "
+            name = "AdamW" if hp.optimizer == "adamw" else f"optimizer {hp.optimizer}"
+            self.notes.append(f"optimizer is unset: the job's {name} runs (lr {hp.learning_rate}, betas "
                               f"{list(hp.adam_betas)}, eps {adam['eps']}, weight_decay {hp.weight_decay}).")
         else:
             unset = {"lr": "learning_rate", "betas": "adam_betas", "weight_decay": "weight_decay"}
