@@ -130,6 +130,9 @@ def test_hf_style_auto_values_are_resolved_not_passed_through(api: httpx.Client,
     ({"deepspeed": {"config": {"trian_batch_size": 8}}}, "deepspeed.config.trian_batch_size", "accepted"),
     ({"model": {"name_or_path": "tiny-llama", "trust_remote_code": True}}, "model.trust_remote_code", "operator"),
     ({"colour": "blue"}, "colour", "not a known field"),
+    ({"hyperparameters": {"optimizer": "adamw_bf16"}, "deepspeed": {"offload_optimizer": "cpu"}},
+     "hyperparameters.optimizer", '(accepted with offload: "adamw")'),
+    ({"hyperparameters": {"optimizer": "adam8bit"}}, "hyperparameters.optimizer", "'adamw' or 'adamw_bf16'"),
 ])
 def test_invalid_requests_name_the_field(api: httpx.Client, make_job: Any, patch: dict[str, Any], field: str,
                                          fragment: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import random
@@ -214,8 +215,6 @@ def run(run_spec: RunSpec) -> None:
 
 
 def _free_device_memory() -> None:
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -240,7 +239,10 @@ def _train(session: Session, setting: oom.MemorySetting | None) -> None:
         if not (job.spec.resources.on_oom == "adapt" and guard.active and oom.is_oom(exc)):
             raise
         if guard.engine is not None:
-            guard.engine.destroy()
+            try:
+                guard.engine.destroy()
+            except Exception:  # noqa: BLE001  # an engine cut off mid-step may fail its own teardown; it is
+                pass           # discarded either way, and the retry must go on
             guard.engine = None
         failed = guard.setting or oom.initial(job, job.micro_batch_size, job.gradient_accumulation_steps)
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
