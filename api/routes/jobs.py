@@ -17,6 +17,7 @@ from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import idempotency
 from api.services import jobs as service
+from api.services.estimate import DryRun
 from trainer.dsconfig import FieldError
 
 # Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
@@ -48,14 +49,25 @@ def owner_of(caller: Principal) -> str | None:
     return None if caller.admin else caller.owner
 
 
-@router.post("", status_code=201, response_model=Job, responses=responses(409, 429), openapi_extra=WRITE)
+DRY_RUN_ANSWER = {200: {"model": DryRun, "description": "With `dry_run=true`: the job as it would be stored, its "
+                                                      "memory estimate, where it fits, and its duration"}}
+
+
+@router.post("", status_code=201, response_model=Job, responses={**responses(409, 429), **DRY_RUN_ANSWER},
+             openapi_extra=WRITE)
 async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
+                     dry_run: Annotated[bool, Query(description=(
+                         "Validate and resolve exactly as a submit does (the same 422s), estimate GPU and host "
+                         "memory, fit and duration, and create nothing"))] = False,
                      idempotency_key: Annotated[str | None, Header(
                          alias=idempotency.HEADER, pattern=r"^[\x21-\x7e]{1,255}$",
                          description="Makes retries safe: a retry with the same key and body gets the first answer "
                                      "again (no second job); the same key with another body is a 409. Per owner, "
                                      "kept at least 24 h")] = None) -> Response:
     """Submits a job under the key's owner, within the owner's quota (429 `quota_exceeded` beyond it)."""
+    if dry_run:
+        answer = service.dry_run(settings=settings, spec=spec, caller=caller)
+        return JSONBytes(answer.model_dump_json().encode())
     status, body = await service.create(settings=settings, spec=spec, caller=caller, idempotency_key=idempotency_key)
     return JSONBytes(body, status_code=status)
 

@@ -23,9 +23,10 @@ from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, UNFINISHED, Job
 from api.services import audit, events, idempotency
+from api.services.estimate import DryRun, estimate
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
-from trainer.dsconfig import ResolveLimits, resolve
+from trainer.dsconfig import ResolvedJob, ResolveLimits, resolve
 from trainer.spec import JobSpec
 from worker.keys import cancel_key
 
@@ -106,18 +107,35 @@ def quota_exceeded(owner: str, limits: tuple[int | None, int | None], used: tupl
                     "admin to raise the quota", details[0]["field"] if details else None, details)
 
 
-async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
-                 idempotency_key: str | None = None) -> tuple[int, bytes]:
-    """Validate and resolve, then commit the row and its first event under the caller's owner and quota: the
-    control plane's dispatcher sends it to the workers (woken by the row's trigger), so a submit never waits
-    on Redis or the broker. Returns the status and JSON to answer with: for a retry with the same
-    Idempotency-Key and body, those of the first answer."""
+def prepare(*, settings: ApiSettings, spec: JobSpec) -> tuple[dict[str, Any], ResolvedJob]:
+    """What a submit checks and resolves (and a dry run, through the same function, so both refuse alike): the
+    request as sent and its resolution, or a 422 naming every bad field."""
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
     if errors:
         raise invalid(errors)
     _patch_nvme(resolved.deepspeed_config, resolved.spec.deepspeed.nvme_path)
+    return request, resolved
+
+
+def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal) -> DryRun:
+    """A submit up to its resolution, then an estimate instead of the insert: no row, event, audit entry, quota
+    use or idempotency record."""
+    request, resolved = prepare(settings=settings, spec=spec)
+    job = {"name": spec.name, "owner": caller.owner, "queue": spec.resources.queue,
+           "gpus": resolved.spec.resources.num_gpus * resolved.spec.resources.num_nodes, "request": request,
+           "resolved": resolved.model_dump(mode="json")}
+    return DryRun(owner=caller.owner, job=job, estimate=estimate(resolved))
+
+
+async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
+                 idempotency_key: str | None = None) -> tuple[int, bytes]:
+    """Validate and resolve, then commit the row and its first event under the caller's owner and quota: the
+    control plane's dispatcher sends it to the workers (woken by the row's trigger), so a submit never waits
+    on Redis or the broker. Returns the status and JSON to answer with: for a retry with the same
+    Idempotency-Key and body, those of the first answer."""
+    request, resolved = prepare(settings=settings, spec=spec)
     job_id = new_id()
     job_dir = str(root_path(settings.artifacts_root) / "jobs" / job_id)
     # What a quota counts: every GPU of the job, on all its nodes.
