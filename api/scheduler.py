@@ -8,7 +8,8 @@ A pass, run by the dispatcher thread (api/dispatcher.py) before it sends anythin
    worker started yet (no lease): such a job goes out again as its next attempt, so the old node, should it
    come back, finds its message stale;
 3. places queued jobs, in order: higher `resources.priority` first; among equal priorities owners take
-   turns (each owner's oldest, then each owner's second oldest, ...), then the oldest first. A job goes
+   turns (each owner's oldest, then each owner's second oldest, ...; within a round the owner whose last
+   job was sent on the queue longest ago, or never, first), then the oldest first. A job goes
    to the live node of its queue with the fewest free slots that still fit it (best fit keeps large
    holes for large jobs), on the lowest free devices. Its placement is committed; the dispatcher sends
    it to that node's own queue only afterwards, so no message ever names slots Postgres does not hold.
@@ -64,13 +65,20 @@ WITH q AS (
            coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
            coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
     FROM jobs WHERE status = 'queued' AND placement IS NULL AND queue = ANY(:queues)
+), served AS (
+    -- When each waiting owner last had a job sent on the queue: the owner served longest ago goes first.
+    SELECT j.owner, j.queue, max(j.dispatched_at) AS last FROM jobs AS j
+    WHERE j.dispatched_at IS NOT NULL AND (j.owner, j.queue) IN (SELECT DISTINCT owner, queue FROM q)
+    GROUP BY j.owner, j.queue
 ), turns AS (
-    SELECT *, row_number() OVER (PARTITION BY queue, owner, priority ORDER BY seq) AS turn FROM q
+    SELECT q.*, row_number() OVER (PARTITION BY q.queue, q.owner, q.priority ORDER BY q.seq) AS turn,
+           s.last AS owner_served FROM q LEFT JOIN served AS s USING (owner, queue)
 ), ranked AS (
-    SELECT *, row_number() OVER (PARTITION BY queue ORDER BY priority DESC, turn, seq) AS pos FROM turns
+    SELECT *, row_number() OVER (PARTITION BY queue ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq)
+           AS pos FROM turns
 )
 SELECT id, attempt, queue, per_node, num_nodes, queued_reason FROM ranked WHERE pos <= :per_queue
-ORDER BY priority DESC, turn, seq""")
+ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq""")
 PLACE = text("""
 UPDATE jobs SET placement = CAST(:placement AS jsonb), queued_reason = NULL, dispatched_at = NULL,
                 updated_at = now()

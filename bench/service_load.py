@@ -601,12 +601,13 @@ def figure_post(svc: Service, tool: LoadTool, plan: Plan, figures: Figures) -> N
     figures.emit("post_job_p99", ms(r.p99_s), "ms", "-", **common)
     time.sleep(2)  # requests the load generator abandoned at its deadline may still be committing
     with psycopg.connect(svc.dsn, autocommit=True) as conn:
-        # The control plane's dispatcher sends each committed job to the broker: how long it took to catch
-        # up with the submits once they stopped, and whether every row went out.
+        # The control plane's scheduler looks at each committed job (these wait on a queue no node serves,
+        # so it gives each its queued_reason rather than a placement): how long it took to catch up with the
+        # submits once they stopped, and whether every row was looked at.
         waited = time.monotonic()
         while True:
             unsent = conn.execute("SELECT count(*) FROM jobs WHERE name = 'bench-post-load' "
-                                  "AND dispatched_at IS NULL").fetchone()[0]
+                                  "AND dispatched_at IS NULL AND queued_reason IS NULL").fetchone()[0]
             if unsent == 0 or time.monotonic() - waited > 120:
                 break
             time.sleep(0.2)

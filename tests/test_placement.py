@@ -173,3 +173,52 @@ def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_
     finally:
         for name in ("duo-a", "duo-b"):
             stack.stop(name)
+
+
+def test_the_queue_runs_by_priority_then_owners_take_turns_then_oldest_first(
+        api: httpx.Client, stack: Any, stack_env: dict[str, str], make_job: Any) -> None:
+    import os
+
+    from tests.conftest import create_key
+
+    stack.start_worker("single", queues="order", slots=1)
+    try:
+        wait_for(lambda: (x := node(api, "single")) and x["state"] == "up", 60, "node single up")
+        spec = make_job(name="order", hyperparameters={"max_steps": 100_000},
+                        resources={"num_gpus": 1, "queue": "order"})
+        blocker = api.post("/jobs", json=spec).json()
+        wait_for(lambda: api.get(f"/jobs/{blocker['id']}").json()["placement"], 20, "the blocker placed")
+        team_b = create_key({**os.environ, **stack_env}, "team-b", "jobs:write")
+
+        def submit(name: str, priority: int = 0, key: str | None = None) -> str:
+            body = {**spec, "name": name, "resources": {**spec["resources"], "priority": priority}}
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = api.post("/jobs", json=body, headers=headers)
+            assert r.status_code == 201, r.text
+            return r.json()["id"]
+
+        # Submitted in this order: owner default's a1 and a2, team-b's b1, default's a3 (all priority 0), then
+        # default's urgent at priority 5.
+        a1, a2 = submit("a1"), submit("a2")
+        b1 = submit("b1", key=team_b)
+        a3 = submit("a3")
+        urgent = submit("urgent", priority=5)
+        for job_id in (a1, a2, b1, a3, urgent):
+            wait_for(lambda j=job_id: api.get(f"/jobs/{j}").json()["queued_reason"]
+                     == "waiting for 1 free cpu slots on queue order; largest free: 0", 20, f"{job_id}'s reason")
+        order = []
+        current = blocker["id"]
+        for _ in range(5):
+            api.post(f"/jobs/{current}/cancel")
+            current = wait_for(lambda: next((j for j in (a1, a2, b1, a3, urgent) if j not in order
+                                             and api.get(f"/jobs/{j}").json()["placement"]), None), 20,
+                               "the next job placed")
+            order.append(current)
+        api.post(f"/jobs/{current}/cancel")
+        # Priority first; then owners take turns: default was just served (urgent), so team-b's oldest goes
+        # next, then default's in age order.
+        assert order == [urgent, b1, a1, a2, a3]
+        for job_id in (blocker["id"], *order):
+            wait_for(lambda j=job_id: not job_processes(j), 20, f"every process of {job_id} gone")
+    finally:
+        stack.stop("single")
