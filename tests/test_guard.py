@@ -111,8 +111,9 @@ def test_the_group_dies_with_its_worker_even_by_sigkill(redis_url: str, client: 
     pgid_file = tmp_path / "pgid"
     worker = subprocess.Popen(
         [sys.executable, "-c",
-         "import subprocess, sys, time, pathlib;"
-         f"p = subprocess.Popen([sys.executable, '-m', 'worker.guard', '--redis', {redis_url!r}, '--job', {job!r},"
+         "import os, subprocess, sys, time, pathlib;"
+         f"p = subprocess.Popen([sys.executable, '-m', 'worker.guard', '--worker-pid', str(os.getpid()),"
+         f" '--redis', {redis_url!r}, '--job', {job!r},"
          f" '--attempt', '1', '--owner', {OWNER!r}, '--lease-expires-at', str(time.time() + 60), '--',"
          " 'sleep', '300'], start_new_session=True);"
          f"pathlib.Path({str(pgid_file)!r}).write_text(str(p.pid)); time.sleep(300)"])

@@ -87,13 +87,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--owner", help="the lease's value: the worker that holds it")
     parser.add_argument("--lease-expires-at", type=float, help="when the lease the worker just set expires (epoch s)")
     parser.add_argument("--fenced-file", type=Path)
+    parser.add_argument("--worker-pid", type=int, default=None,
+                        help="the supervising worker's pid (default: this process's parent when it starts)")
     parser.add_argument("--part", type=int, default=0, help="this node's part (node rank) of a multi-node job")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
 def main(argv: list[str]) -> int:
     args, command = parse(argv)
-    worker_pid = os.getppid()
+    worker_pid = args.worker_pid if args.worker_pid is not None else os.getppid()
     watch = None
     if args.redis:
         client = redis.Redis.from_url(args.redis, socket_timeout=REDIS_TIMEOUT_SECONDS,

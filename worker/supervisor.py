@@ -116,7 +116,9 @@ RUNNING = Running()
 
 def spawn(argv: list[str], *, env: dict[str, str], cwd: Path, guard: list[str]) -> subprocess.Popen[bytes]:
     """Start argv under the guard in a new session: its process group is the job's, to kill at once."""
-    guarded = [sys.executable, "-m", "worker.guard", *guard, "--", *argv]
+    # The worker's pid is named, not taken from getppid() once the guard runs: a worker that died while the
+    # guard was still importing would leave it with init for a parent and nothing to compare against.
+    guarded = [sys.executable, "-m", "worker.guard", "--worker-pid", str(os.getpid()), *guard, "--", *argv]
     return subprocess.Popen(guarded, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
