@@ -16,6 +16,7 @@ import time
 import redis
 from sqlalchemy.exc import DBAPIError
 
+from api import controlplane_metrics as metrics
 from api.dispatcher import Dispatcher
 from api.ingest import Ingester, first_line, transient
 from api.reaper import Reaper, RedisLossWatch
@@ -48,6 +49,9 @@ def main() -> None:
     ingester = Ingester(client, batch=settings.ingest_batch)
     reaper = Reaper(client, settings)
     dispatcher = Dispatcher(client, settings)
+    # Its thread calls step(); counted from outside, so the dispatcher knows nothing of metrics.
+    dispatcher.step = metrics.counting_sends(dispatcher.step)  # type: ignore[method-assign]
+    metrics.start()
     stopping = False
 
     def stop(*_: object) -> None:
@@ -68,9 +72,10 @@ def main() -> None:
                 reaper.data_lost()
             # The ingester creates its consumer group on first read (and again if Redis lost it).
             ingester.step(block_ms=int(settings.loop_interval_seconds * 1000))
+            metrics.ingested(ingester.last_stored)
             # Reap only when the ingester is caught up: a terminal state still in the stream is not a lost worker.
             if ingester.caught_up and time.monotonic() >= next_reap:
-                reaper.step()
+                metrics.reaped(reaper.step())
                 next_reap = time.monotonic() + settings.loop_interval_seconds
         except Exception as exc:
             if transient(exc):

@@ -143,6 +143,8 @@ class Ingester:
         # True only after a read of new entries that found fewer than a batch: the stream is read up to
         # now. The reaper waits for it, since a terminal state still in the stream is not a lost worker.
         self.caught_up = False
+        # The stream ids the last step stored (each id's first part is when Redis took the event): ingest lag.
+        self.last_stored: list[str] = []
 
     def ensure_group(self) -> None:
         try:
@@ -181,6 +183,7 @@ class Ingester:
     def step(self, block_ms: int = 500) -> int:
         """Ingest one batch; returns how many entries it read (0 when caught up or only starting over)."""
         self.caught_up = False
+        self.last_stored = []
         entries = self._read(block_ms)
         if not entries:
             return 0
@@ -190,6 +193,7 @@ class Ingester:
             self.r.xack(EVENTS_STREAM, INGEST_GROUP, *ids)
             # Acknowledged entries are in Postgres: drop them so the live stream holds only what is in flight.
             self.r.xdel(EVENTS_STREAM, *ids)
+            self.last_stored = ids
         except BaseException:
             # Stored or not, these entries are still pending (nothing was acknowledged): read them again,
             # before anything newer, once Postgres and Redis answer. A ">" read would never return them.

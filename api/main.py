@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from api import errors, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
+from api.metrics import Metrics
 from api.routes import audit, health, jobs, keys, nodes, owners
 from api.services import idempotency
 from api.settings import ApiSettings, get_settings
@@ -86,6 +87,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # FastAPI's wrappers of included routers.
     app.add_middleware(KeyAuth, routes=[r for router in routers for r in router.routes],
                        allow_anonymous=settings.allow_anonymous)
+    # Outermost: every answer is counted and timed, refusals included; it serves /metrics itself, keyless.
+    app.add_middleware(Metrics)
     app.openapi = partial(openapi_with_bearer, app)  # type: ignore[method-assign]
     return app
 

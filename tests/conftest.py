@@ -73,6 +73,7 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str
         # Short leases so a killed worker is noticed within seconds.
         "FT_HEARTBEAT_SECONDS": "1", "FT_LEASE_TTL_SECONDS": "3", "FT_LEASE_GRACE_SECONDS": "2",
         "FT_LOOP_INTERVAL_SECONDS": "0.2", "FT_ENV": "development",
+        "FT_CONTROLPLANE_METRICS_PORT": str(free_port()),  # read by tests/test_metrics.py
         # Clients that speak raw HTTP (the followers' SSE readers) send no key: they act as `default`'s admin.
         # The `api` client sends a real key; tests/test_access.py runs its own APIs with keys required.
         "FT_ALLOW_ANONYMOUS": "true",
