@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from api import errors, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
-from api.routes import audit, health, jobs, keys, nodes, owners
+from api.routes import audit, health, jobs, keys, nodes, owners, ui
 from api.services import idempotency
 from api.settings import ApiSettings, get_settings
 
@@ -81,6 +81,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router)
     for router in routers:
         app.include_router(router)
+    app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key
     # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
