@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from api.db import session_scope
@@ -199,7 +199,7 @@ class Scheduler:
                     node.used.update(str(d) for d in p.get("devices", []))
                     node.jobs += 1
         for job_id, attempt, gone in back:
-            row = session.get(Job, job_id, with_for_update=True)
+            row = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
             if row is None or row.attempt != attempt or row.status != "queued" or row.placement is None:
                 continue
             row.placement, row.dispatched_at, row.attempt = None, None, attempt + 1

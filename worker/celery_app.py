@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
+from kombu.transport import redis as kombu_redis
 
 from worker.node import Announcer, NodeSettings, describe, own_queue_only
 from worker.settings import WorkerSettings
@@ -63,3 +66,28 @@ def _drain(**_: Any) -> None:
     # A deploy: the node takes no new placements; its running jobs are released and requeued elsewhere.
     if _announcer is not None:
         _announcer.drain()
+
+
+# -- a broker outage must not end the worker -----------------------------------------------------------
+def _tolerate_closed_connection(method: Callable[..., Any]) -> Callable[..., Any]:
+    """When Redis goes away, Celery (5.7) closes the consumer's broker connection while kombu's Redis QoS
+    still has to restore or acknowledge messages through it, and kombu then asks the closed connection for
+    its host (`None.hostname`): an AttributeError that Celery takes as unrecoverable, so the whole worker,
+    and with it every job of its node, would end on a Redis restart. Swallowed here: the message stays in
+    Redis's unacked set and is delivered again later, which is harmless (a task drops an attempt that was
+    already claimed)."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except AttributeError as exc:
+            logging.getLogger(__name__).warning("broker connection closed under %s (%s): left for redelivery",
+                                                method.__name__, exc)
+            return None
+
+    return wrapped
+
+
+for _name in ("ack", "reject", "restore_unacked"):
+    setattr(kombu_redis.QoS, _name, _tolerate_closed_connection(getattr(kombu_redis.QoS, _name)))
