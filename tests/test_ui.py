@@ -4,6 +4,7 @@ loss curve gaining points while a real job trains, and the cancel button."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -67,6 +68,8 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     progress = [e for e in events_of(api, training, ["progress"]) if isinstance(e.get("loss"), float)]
     assert int(js(browser, "return +document.getElementById('curve').dataset.points")) == len(progress)
     assert browser.find_element(By.ID, "log").text.strip()
+    if os.environ.get("FT_UI_SCREENSHOT"):  # how the README's picture is made
+        browser.save_screenshot(os.environ["FT_UI_SCREENSHOT"])
 
     browser.get(f"{stack.api_url}/ui#job/{waiting}")
     wait_for(lambda: browser.find_element(By.ID, "j-status").text == "queued", 30, "the parked job's page")
