@@ -402,7 +402,33 @@ class Attempt:
         return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail),
                                                              first_dead_rank=self.rank_watch.first_dead))
 
+    def peer_lost(self) -> bool:
+        """Whether another node of this multi-node attempt is gone (its lease lapsed, its part not done). Its
+        ranks' death makes this node's ranks fail too; that is a lost node, which the control plane requeues
+        as one new attempt, not a failure of the job. A dead peer's lease lapses within one TTL: wait that."""
+        peers = [p for p in range(self.parts) if p != self.part]
+        end = time.monotonic() + self.settings.lease_ttl_seconds + 1.0
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                for p in peers:
+                    pipe.exists(lease_key(self.job_id, self.attempt, p), part_done_key(self.job_id, self.attempt, p))
+                if not all(pipe.execute()):
+                    return True
+            except redis.RedisError:
+                pass
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.5)
+
     def report(self, outcome: Outcome) -> None:
+        if outcome.status is Status.FAILED and self.parts > 1 and self.peer_lost():
+            log.warning("job %s attempt %s: part %d ended because another node was lost; the control plane "
+                        "requeues the whole job", self.job_id, self.attempt, self.part)
+            self.pending.append(("log", {"rank": None, "line": "another node of this job was lost: its ranks "
+                                         "ended too; the job is requeued as a whole", **self.where}))
+            self.flush()
+            outcome = Outcome(Status.STALE)
         if outcome.status is Status.STALE:
             return
         if outcome.status is Status.RELEASED:
