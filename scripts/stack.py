@@ -97,7 +97,7 @@ class Stack:
         self._start("controlplane", [sys.executable, "-m", "api.controlplane"])
 
     def start_worker(self, name: str = "worker1", queues: str | None = None, *, node: str | None = None,
-                     slots: int | None = None) -> subprocess.Popen[bytes]:
+                     slots: int | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """One node's worker (`python -m worker`: a threads pool, one thread per slot, consuming only the
         node's own queue). Its node is `node`, else FT_NODE_NAME, else `name`: the tests' workers are
         nodes of their own on one host."""
@@ -107,6 +107,7 @@ class Stack:
                  "FT_NODE_ADDR": self.env.get("FT_NODE_ADDR", "127.0.0.1")}
         if slots is not None:
             extra["FT_NODE_SLOTS"] = str(slots)
+        extra.update(env or {})
         return self._start(name, [sys.executable, "-m", "worker"], extra)
 
     def wait_ready(self, timeout: float = 60) -> None:

@@ -24,20 +24,21 @@ import pytest
 
 from tests.chaos_support import AttemptSampler, assert_history_exact, committed_markers, rank_pids
 from tests.helpers import events_of, job_processes, wait_for, wait_status
+from trainer.checkpoint import SAVE_PAUSE_ENV
 
 LEASE_TTL = 3.0  # FT_LEASE_TTL_SECONDS of the test stack (tests/conftest.py)
 
-StartWorker = Callable[[str, str], subprocess.Popen[bytes]]
+StartWorker = Callable[..., subprocess.Popen[bytes]]
 
 
 @pytest.fixture
 def workers(stack: Any) -> Iterator[StartWorker]:
     started: list[str] = []
 
-    def start(name: str, queue: str) -> subprocess.Popen[bytes]:
+    def start(name: str, queue: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         name = f"{name}-{uuid.uuid4().hex[:4]}"
         started.append(name)
-        return stack.start_worker(name, queues=queue)
+        return stack.start_worker(name, queues=queue, env=env)
 
     yield start
     for name in started:
@@ -163,7 +164,8 @@ def test_a_rank_killed_by_a_signal_fails_the_job_as_killed_naming_the_rank(api: 
 def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committed_one(
         api: httpx.Client, make_job: Any, workers: StartWorker, roots: dict[str, Path]) -> None:
     q = queue("midsave")
-    doomed = workers("doomed", q)
+    # Its saves linger between the shards and the commit, so that the kill lands mid-save on a loaded machine.
+    doomed = workers("doomed", q, {SAVE_PAUSE_ENV: "1.5"})
     spec = make_job(name="midsave", hyperparameters={"max_steps": 40}, resources={"queue": q},
                     checkpointing={"every_steps": 4, "keep_last": 2})
     job = api.post("/jobs", json=spec).json()
@@ -188,7 +190,7 @@ def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committ
             os.kill(pid, signal.SIGCONT)  # the save finished between the two looks: try the next one
         return None
 
-    saving, last_committed = wait_for(caught_mid_save, 240, "a checkpoint save in progress", interval=0.005)
+    saving, last_committed = wait_for(caught_mid_save, 240, "a checkpoint save in progress", interval=0.05)
     assert saving > last_committed
     doomed.send_signal(signal.SIGKILL)
     doomed.wait()

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from trainer.fence import Fence
 COMMITTED = "COMMITTED"
 STATE_FILE = "trainer_state.json"
 TAG_PREFIX = "step-"
+SAVE_PAUSE_ENV = "FT_TEST_SAVE_PAUSE_SECONDS"
 
 
 @dataclass
@@ -73,6 +75,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _pause_for_tests() -> None:
+    """A fault-injection seam: the chaos tests widen the window between the shards and the commit."""
+    pause = os.environ.get(SAVE_PAUSE_ENV)
+    if pause:
+        time.sleep(float(pause))
+
+
 def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence) -> Path:
     """Collective: every rank must call it at the same step."""
     tag = tag_for(state.step)
@@ -87,6 +96,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     (staged / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
     if rank == 0:
         (staged / STATE_FILE).write_text(json.dumps(asdict(state)))
+    _pause_for_tests()
     _barrier()
     removed: list[str] = []
     if rank == 0:

@@ -88,26 +88,48 @@ class RankWatch:
     """Which rank ended first, from the launcher's own lines and /proc.
 
     The launcher logs the exit code of the first rank that failed, but next to the command of another;
-    when a rank is killed it then ends the others. The rank whose process was seen gone first is the one
-    that died on its own.
+    when a rank is killed it then ends the others, after up to a second of its own polling. The rank whose
+    process was seen gone first is the one that died on its own. A thread of its own looks every
+    `interval` seconds: the supervisor's loop, sharing a busy worker's cores and GIL, can take longer than
+    that second between two looks, and would then find every rank gone at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.02) -> None:
         self.pids: dict[int, int] = {}  # pid -> local rank
         self.first_dead: int | None = None
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def see(self, line: str) -> None:
         m = SPAWNED.search(line)
         if m:
-            self.pids[int(m.group(1))] = int(m.group(2))
+            with self._lock:
+                self.pids[int(m.group(1))] = int(m.group(2))
 
     def poll(self) -> None:
         if self.first_dead is not None:
             return
-        for pid, rank in self.pids.items():
+        with self._lock:
+            pids = list(self.pids.items())
+        for pid, rank in pids:
             if not _alive(pid):
                 self.first_dead = rank
                 return
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _watch(self) -> None:
+        while self.first_dead is None and not self._stop.wait(self.interval):
+            self.poll()
 
 
 def _alive(pid: int) -> bool:

@@ -318,6 +318,7 @@ class Attempt:
         reader = LineReader(proc.stdout)  # type: ignore[arg-type]
         reader.start()
         ranks = RankLogTail(log_dir)
+        self.rank_watch.start()
         time_limit = self.run_spec["job"]["spec"]["resources"]["time_limit_seconds"]
         deadline = time.monotonic() + time_limit
         next_beat = 0.0
@@ -331,7 +332,6 @@ class Attempt:
                 if now >= next_beat:
                     self.heartbeat(s.lease_ttl_seconds)
                     next_beat = now + s.heartbeat_seconds
-                self.rank_watch.poll()
                 if reason is None:
                     reason = self.control()
                     if reason is not None:
@@ -351,6 +351,7 @@ class Attempt:
                 time.sleep(s.poll_seconds)
         finally:
             # Whatever happened above, nothing of this attempt may outlive it.
+            self.rank_watch.stop()  # before this kill, which would otherwise read as a rank's own death
             kill_group(pgid, signal.SIGKILL)
             proc.wait()
             gone = wait_group_gone(pgid, 10)
