@@ -49,6 +49,9 @@ class Job(Base):
         Index("ix_jobs_owner_unfinished", "owner", postgresql_include=["gpus"],
               postgresql_where=text(f"status IN {UNFINISHED!r}")),
         Index("ix_jobs_placed", "status", postgresql_where=text(f"placement IS NOT NULL AND status IN {UNFINISHED!r}")),
+        # The scheduler's read of waiting jobs: per queue and owner, highest priority then oldest (migration 0006).
+        Index("ix_jobs_waiting", "queue", "owner", text("priority DESC"), "seq",
+              postgresql_where=text("status = 'queued' AND placement IS NULL")),
     )
 
     # Internal order for "newest first" and cursors; the public id is opaque.
@@ -62,6 +65,8 @@ class Job(Base):
     # where jobs from before keys are).
     owner: Mapped[str] = mapped_column(String(64), nullable=False, server_default="default")
     gpus: Mapped[int] = mapped_column(Integer, nullable=False, server_default="1")  # what max_gpus counts
+    # resources.priority, copied out of the spec on insert so the scheduler orders by an index, not by JSON.
+    priority: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     request: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     resolved: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     job_dir: Mapped[str] = mapped_column(Text, nullable=False)

@@ -7,9 +7,10 @@ A pass, run by the dispatcher thread (api/dispatcher.py) before it sends anythin
 2. takes back the placements on nodes gone (unseen for a lease TTL beyond the grace) or draining that no
    worker started yet (no lease): such a job goes out again as its next attempt, so the old node, should it
    come back, finds its message stale;
-3. places queued jobs, in order: higher `resources.priority` first; among equal priorities owners take
-   turns (each owner's oldest, then each owner's second oldest, ...; within a round the owner whose last
-   job was sent on the queue longest ago, or never, first), then the oldest first. A job goes
+3. places queued jobs, in order: higher `resources.priority` first (the `priority` column, read through the
+   index ix_jobs_waiting); among equal priorities owners take turns (each owner's oldest, then each owner's
+   second oldest, ...; within a round the owner whose last job was sent on the queue longest ago, or never,
+   first), then the oldest first. A job goes
    to the live node of its queue with the fewest free slots that still fit it (best fit keeps large
    holes for large jobs), on the lowest free devices. Its placement is committed; the dispatcher sends
    it to that node's own queue only afterwards, so no message ever names slots Postgres does not hold.
@@ -58,13 +59,27 @@ SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
 HELD = text(f"""
 SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
 WHERE placement IS NOT NULL AND status IN {UNFINISHED!r}""")
+# The waiting jobs a pass looks at, read through ix_jobs_waiting (queue, owner, priority DESC, seq) rather than
+# from every waiting row's JSON. Exact for the first :per_queue of each queue: an owner's job that is not among
+# the owner's first :per_queue by (priority, age) has that many jobs of its owner before it in the queue order
+# (higher priority, or equal priority and an earlier turn), so each owner's first :per_queue are all a pass
+# needs. The owners with waiting jobs are found by skipping through the same index, not by a scan.
 CANDIDATES = text("""
-WITH q AS (
-    SELECT id, seq, attempt, owner, queue, queued_reason,
-           coalesce((resolved->'spec'->'resources'->>'priority')::int, 0) AS priority,
-           coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
-           coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
-    FROM jobs WHERE status = 'queued' AND placement IS NULL AND queue = ANY(:queues)
+WITH RECURSIVE owners AS (
+    -- Every (queue, owner) with waiting jobs, one index probe each: the next pair after the last one found.
+    (SELECT queue, owner FROM jobs WHERE status = 'queued' AND placement IS NULL ORDER BY queue, owner LIMIT 1)
+    UNION ALL
+    SELECT nxt.queue, nxt.owner FROM owners AS o CROSS JOIN LATERAL (
+        SELECT j.queue, j.owner FROM jobs AS j WHERE j.status = 'queued' AND j.placement IS NULL
+        AND (j.queue, j.owner) > (o.queue, o.owner) ORDER BY j.queue, j.owner LIMIT 1) AS nxt
+), q AS (
+    SELECT j.* FROM owners AS o CROSS JOIN LATERAL (
+        SELECT id, seq, attempt, owner, queue, queued_reason, priority,
+               coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
+               coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
+        FROM jobs WHERE status = 'queued' AND placement IS NULL AND queue = o.queue AND owner = o.owner
+        ORDER BY priority DESC, seq LIMIT :per_queue) AS j
+    WHERE o.queue = ANY(:queues)
 ), served AS (
     -- When each waiting owner last had a job sent on the queue: the owner served longest ago goes first.
     SELECT j.owner, j.queue, max(j.dispatched_at) AS last FROM jobs AS j

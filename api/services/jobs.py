@@ -58,10 +58,10 @@ NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
 # the answer is the use that refused it.
 INSERT_JOB = """
 WITH usage AS ({usage}), job AS (
-    INSERT INTO jobs (id, name, owner, gpus, status, attempt, queue, request, resolved, job_dir, progress,
+    INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, job_dir, progress,
                       checkpoints, metadata, event_seq, created_at, updated_at)
-    SELECT $1, $2, $9, $10::int, 'queued', 1, $3, $4::jsonb, $5::jsonb, $6, $7::jsonb, '[]'::jsonb, $8::jsonb, 1,
-           now(), now()
+    SELECT $1, $2, $9, $10::int, $15::int, 'queued', 1, $3, $4::jsonb, $5::jsonb, $6, $7::jsonb, '[]'::jsonb,
+           $8::jsonb, 1, now(), now()
     FROM usage
     WHERE ($11::bigint IS NULL OR usage.jobs + 1 <= $11) AND ($12::bigint IS NULL OR usage.gpus + $10::int <= $12)
     RETURNING *
@@ -143,12 +143,13 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
     args: list[Any] = [
         job_id, spec.name, spec.resources.queue, to_json(request), to_json(resolved.model_dump(mode="json")), job_dir,
         to_json({"step": 0, "total_steps": spec.hyperparameters.max_steps}), to_json(spec.metadata), owner, gpus]
-    actor = [to_json(caller.actor()), caller.key_id]
+    # After the quota limits ($11, $12): who submits ($13, $14) and the priority the scheduler orders by ($15).
+    tail = [to_json(caller.actor()), caller.key_id, resolved.spec.resources.priority]
     defaults = (settings.quota_max_active_jobs, settings.quota_max_gpus)
     try:
         if idempotency_key is None and defaults == (None, None) and not await pg.fetch(QUOTA_ROW, owner):
             # Nothing to count and nothing to remember: the one statement, no transaction around it.
-            row = (await pg.fetch(INSERT_UNCOUNTED, *args, None, None, *actor))[0]
+            row = (await pg.fetch(INSERT_UNCOUNTED, *args, None, None, *tail))[0]
             return 201, row[0].encode()
         async with (await pg.pool()).acquire() as conn, conn.transaction():
             if idempotency_key is not None:
@@ -159,7 +160,7 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
                       lock["max_gpus"] if lock["max_gpus"] is not None else defaults[1])
             counted = limits != (None, None)
             body, jobs, used_gpus = await conn.fetchrow(INSERT_COUNTED if counted else INSERT_UNCOUNTED,
-                                                        *args, *limits, *actor)
+                                                        *args, *limits, *tail)
             if body is None:
                 raise quota_exceeded(owner, limits, (jobs, used_gpus), gpus)
             if idempotency_key is not None:
