@@ -17,6 +17,7 @@ import redis
 from sqlalchemy.exc import DBAPIError
 
 from api import controlplane_metrics as metrics
+from api.deliverer import Deliverer
 from api.dispatcher import Dispatcher
 from api.ingest import Ingester, first_line, transient
 from api.reaper import Reaper, RedisLossWatch
@@ -51,6 +52,7 @@ def main() -> None:
     dispatcher = Dispatcher(client, settings)
     # Its thread calls step(); counted from outside, so the dispatcher knows nothing of metrics.
     dispatcher.step = metrics.counting_sends(dispatcher.step)  # type: ignore[method-assign]
+    deliverer = Deliverer(settings)  # webhooks: a thread and event loop of its own, off the ingest path
     metrics.start()
     stopping = False
 
@@ -61,6 +63,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     dispatcher.start()
+    deliverer.start()
     log.info("control plane running")
     next_reap = 0.0
     pause = BACKOFF_FIRST_SECONDS
@@ -92,6 +95,7 @@ def main() -> None:
             log.info("control plane recovered after %.1f s of failures", time.monotonic() - failing_since)
             failing_since, pause = None, BACKOFF_FIRST_SECONDS
     dispatcher.stop()
+    deliverer.stop()
     log.info("control plane stopped")
 
 

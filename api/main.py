@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from api import errors, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
-from api.routes import audit, health, jobs, keys, nodes, owners, ui
+from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
 from api.services import idempotency
 from api.settings import ApiSettings, get_settings
 
@@ -78,7 +78,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
     errors.install(app)
-    routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router)
+    routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router,
+               webhooks.router)
     for router in routers:
         app.include_router(router)
     app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key

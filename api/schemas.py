@@ -205,3 +205,44 @@ class AuditPage(BaseModel):
     data: list[AuditEntry]
     has_more: bool
     next_after: int = Field(description="Pass as `after` to read on")
+
+
+class OwnerWebhookSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(default=None, min_length=1, max_length=2048, description=(
+        "The default http(s) URL for the owner's jobs that name none (`notifications.webhook_url`); null: none. "
+        "Its host must resolve to public addresses only, unless the operator allows a range"))
+    rotate_secret: bool = Field(default=False, description="Replace the signing secret; the answer shows the new one")
+
+
+class OwnerWebhook(BaseModel):
+    owner: str
+    url: str | None
+    secret_prefix: str = Field(description="The secret's first characters, to tell secrets apart")
+    created_at: datetime
+    rotated_at: datetime | None
+    updated_at: datetime
+    secret: str | None = Field(description="The signing secret: only in the answer that made or rotated it")
+
+
+class Delivery(BaseModel):
+    id: str = Field(description="Also sent as X-FT-Delivery; the same on every retry")
+    event: str = Field(description="job.running, job.succeeded, job.failed, job.cancelled, job.requeued, "
+                                   "job.checkpoint")
+    event_id: int = Field(description="The job event it announces (GET /jobs/{id}/events)")
+    url: str
+    status: Literal["pending", "delivered", "failed"] = Field(description="failed: given up after the last attempt")
+    attempts: int
+    next_attempt_at: datetime | None = Field(description="When a pending delivery is tried next")
+    last_attempt_at: datetime | None
+    last_status_code: int | None = Field(description="The receiver's last HTTP status; null: no answer")
+    last_error: str | None
+    delivered_at: datetime | None
+    created_at: datetime
+
+
+class DeliveryPage(BaseModel):
+    data: list[Delivery]
+    has_more: bool
+    next_after: int = Field(description="Pass as `after` to read on")

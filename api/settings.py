@@ -47,6 +47,15 @@ class ApiSettings(BaseSettings):
     # Connections each API process keeps for its asynchronous reads (api/pg.py).
     api_db_pool_size: int = 10
     ingest_batch: int = 500
+    # Webhooks (api/webhooks.py, api/deliverer.py): CIDRs the service may call although they are not public
+    # (loopback, private, link-local, ...); empty: public addresses only.
+    webhook_allow_nets: str = ""
+    webhook_timeout_seconds: float = 5.0  # a whole delivery: connect, send, the answer's status line
+    webhook_max_attempts: int = 8
+    webhook_backoff_seconds: float = 1.0  # before the first retry; doubled each time, with jitter
+    webhook_backoff_max_seconds: float = 600.0
+    webhook_concurrency: int = 32  # deliveries in flight, all receivers together
+    webhook_per_receiver: int = 2  # in flight to one receiver (scheme, host, port): a slow one holds only these
     loop_interval_seconds: float = 0.5
 
     @property
@@ -67,6 +76,21 @@ class ApiSettings(BaseSettings):
     def _not_negative(cls, value: int | None) -> int | None:
         if value is not None and value < 0:
             raise ValueError("must be 0 or more (empty: no limit)")
+        return value
+
+    @field_validator("webhook_allow_nets")
+    @classmethod
+    def _cidrs(cls, value: str) -> str:
+        from api.webhooks import parse_allow_nets
+
+        parse_allow_nets(value)
+        return value
+
+    @field_validator("webhook_max_attempts", "webhook_concurrency", "webhook_per_receiver")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be 1 or more")
         return value
 
     @field_validator("idempotency_hours")

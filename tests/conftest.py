@@ -79,6 +79,8 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str
         "FT_ALLOW_ANONYMOUS": "true",
         # Tests leave parked jobs queued all session long; quotas are tested on APIs of their own.
         "FT_QUOTA_MAX_ACTIVE_JOBS": "",
+        # tests/test_webhooks.py's receivers listen on loopback, which the SSRF rules refuse unless allowed.
+        "FT_WEBHOOK_ALLOW_NETS": "127.0.0.1/32",
     }
 
 

@@ -287,6 +287,23 @@ class LoraSpec(_Strict):
         return v
 
 
+class Notifications(_Strict):
+    """Whom the service tells about the job. The API's alone (api/webhooks.py): the trainer ignores it."""
+
+    webhook_url: Text | None = Field(
+        default=None, min_length=1, max_length=2048,
+        description="An http(s) URL the service POSTs each state change and committed checkpoint to, signed with "
+                    "the owner's webhook secret (README, Webhooks); its host must resolve to public addresses only, "
+                    "unless the operator allows a range; null: the owner's default URL, if one is set")
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.lower().startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+
 class JobSpec(_Strict):
     """What a client sends in `POST /jobs` (and what `python -m trainer` runs from)."""
 
@@ -298,6 +315,7 @@ class JobSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     checkpointing: Checkpointing = Field(default_factory=Checkpointing)
     lora: LoraSpec | None = None
+    notifications: Notifications | None = None
     metadata: Metadata = Field(
         default_factory=dict,
         description=f"Free-form JSON object kept with the job: at most {METADATA_MAX_BYTES} bytes of JSON, nested at "

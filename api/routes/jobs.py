@@ -15,7 +15,7 @@ from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, scoped
 from api.errors import ApiError, ErrorCode, invalid, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
-from api.services import idempotency
+from api.services import idempotency, webhooks
 from api.services import jobs as service
 from api.services.estimate import DryRun
 from trainer.dsconfig import FieldError
@@ -65,6 +65,8 @@ async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
                                      "again (no second job); the same key with another body is a 409. Per owner, "
                                      "kept at least 24 h")] = None) -> Response:
     """Submits a job under the key's owner, within the owner's quota (429 `quota_exceeded` beyond it)."""
+    # Its URL is looked up here, off the schema's synchronous validation: a slow resolver must not hold the loop.
+    await webhooks.check_job(spec=spec, caller=caller, settings=settings)
     if dry_run:
         answer = service.dry_run(settings=settings, spec=spec, caller=caller)
         return JSONBytes(answer.model_dump_json().encode())

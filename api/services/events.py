@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.models import Job, JobEvent
+from api.services import webhooks
 
 
 def append(session: Session, job: Job, kind: str, data: dict[str, Any], *, attempt: int | None = None,
@@ -16,4 +17,6 @@ def append(session: Session, job: Job, kind: str, data: dict[str, Any], *, attem
     event = JobEvent(job_id=job.id, seq=job.event_seq, attempt=job.attempt if attempt is None else attempt,
                      type=kind, data=data, source_id=source_id)
     session.add(event)
+    # In this same transaction: the event and the delivery that announces it commit together or not at all.
+    webhooks.enqueue(session, job, kind, data, event.seq)
     return event

@@ -1,0 +1,192 @@
+"""Webhooks in the database: owners' secrets and default URLs, the outbox rows each job event adds, and the
+reads that show deliveries on a job.
+
+A delivery row is written by `enqueue`, which `api/services/events.py` calls for every event it appends, so
+the row commits or rolls back with the event it tells about (the ingester's batch, a cancel, the reaper's
+requeue): no state change goes unannounced and no announcement has no state change. The control plane's
+deliverer (api/deliverer.py) sends them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from api import pg, webhooks
+from api.access import Principal
+from api.errors import ApiError, ErrorCode, invalid
+from api.models import TERMINAL, Job
+from api.settings import ApiSettings
+from trainer.dsconfig import FieldError
+from trainer.spec import JobSpec
+
+FIELD = "notifications.webhook_url"
+
+
+def new_id() -> str:
+    return "whd_" + secrets.token_hex(10)
+
+
+def event_type(job: Job, kind: str, data: dict[str, Any]) -> str | None:
+    """The webhook event an appended job event is, or None. State events count only where the row now has
+    that state: an event the ingester kept but ignored (the job had ended) or a duplicate announces nothing."""
+    if kind == "checkpoint":
+        return "job.checkpoint" if data.get("committed") and job.status not in TERMINAL else None
+    if kind != "state" or "ignored" in data:
+        return None
+    status = data.get("status")
+    if status == "queued" and "previous_attempt" in data and job.status == "queued":
+        return "job.requeued"
+    if status in ("running", *TERMINAL) and job.status == status:
+        return f"job.{status}"
+    return None
+
+
+def _details(job: Job, event: str, data: dict[str, Any]) -> dict[str, Any]:
+    """What the receiver needs of the event; the job's full record is one `GET /jobs/{id}` away."""
+    if event == "job.checkpoint":
+        return {"step": data.get("step"), "path": data.get("path")}
+    if event == "job.failed":
+        error = job.error or data.get("error") or {}
+        return {"error": {"code": error.get("code"), "message": error.get("message")}}
+    if event == "job.succeeded":
+        return {"output": job.output}
+    if event in ("job.cancelled", "job.requeued"):
+        return {k: data[k] for k in ("reason", "previous_attempt") if k in data}
+    return {}
+
+
+def job_url(job: Job) -> str | None:
+    notifications = (job.request or {}).get("notifications") or {}
+    return notifications.get("webhook_url") if isinstance(notifications, dict) else None
+
+
+INSERT = text("""
+INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
+VALUES (:id, :job_id, :owner, :seq, :event, :url, :receiver, CAST(:payload AS jsonb), now())
+ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING""")
+OWNER_URL = text("SELECT url FROM webhook_owners WHERE owner = :owner")
+
+
+def enqueue(session: Session, job: Job, kind: str, data: dict[str, Any], seq: int) -> None:
+    """Add the event's delivery to the session's transaction, where the job or its owner names a URL."""
+    event = event_type(job, kind, data)
+    if event is None:
+        return
+    url = job_url(job) or session.scalar(OWNER_URL, {"owner": job.owner})
+    if not url:
+        return
+    try:
+        receiver = webhooks.target(url).receiver
+    except webhooks.Refused:
+        return  # an owner default set around the API; the submit refuses such a job URL
+    delivery = new_id()
+    payload = {"id": delivery, "type": event, "created_at": datetime.now(timezone.utc).isoformat(),
+               "job": {"id": job.id, "name": job.name, "owner": job.owner, "queue": job.queue, "status": job.status,
+                       "attempt": job.attempt},
+               "event_id": seq, "data": _details(job, event, data)}
+    session.execute(INSERT, {"id": delivery, "job_id": job.id, "owner": job.owner, "seq": seq, "event": event,
+                             "url": url, "receiver": receiver, "payload": json.dumps(payload, default=str)})
+
+
+def refused(field: str, message: str) -> ApiError:
+    return invalid([FieldError(field, message)])
+
+
+async def vet(url: str, settings: ApiSettings, field: str) -> None:
+    """A 422 naming `field` unless every address of the URL's host may be called (the SSRF rules)."""
+    try:
+        await webhooks.vet(url, webhooks.parse_allow_nets(settings.webhook_allow_nets))
+    except webhooks.Refused as exc:
+        raise refused(field, str(exc)) from None
+
+
+async def check_job(*, spec: JobSpec, caller: Principal, settings: ApiSettings) -> None:
+    """A submit's webhook checks (dry runs too): the URL is callable and its owner can sign for it."""
+    url = spec.notifications.webhook_url if spec.notifications else None
+    if url is None:
+        return
+    problem = webhooks.syntax_problem(url)
+    if problem:
+        raise refused(FIELD, problem)
+    if not await pg.fetchval("SELECT EXISTS (SELECT 1 FROM webhook_owners WHERE owner = $1)", caller.owner):
+        raise refused(FIELD, f"owner {caller.owner!r} has no webhook secret to sign deliveries with; create it "
+                             f"with PUT /owners/{caller.owner}/webhook (its answer shows the secret once)")
+    await vet(url, settings, FIELD)
+
+
+OWNER_JSON = ("json_build_object('owner', owner, 'url', url, 'secret_prefix', left(secret, 10), "
+              "'created_at', created_at, 'rotated_at', rotated_at, 'updated_at', updated_at)::text")
+GET_OWNER = f"SELECT {OWNER_JSON} FROM webhook_owners WHERE owner = $1"
+# Created with a secret on first use; `rotate` replaces the secret. Whether the stored secret is the one this call
+# made says whether to show it (two first PUTs at once: only the one whose secret was kept shows one).
+PUT_OWNER = f"""
+INSERT INTO webhook_owners AS w (owner, url, secret) VALUES ($1, $2, $3)
+ON CONFLICT (owner) DO UPDATE SET url = EXCLUDED.url, updated_at = now(),
+    secret = CASE WHEN $4 THEN EXCLUDED.secret ELSE w.secret END,
+    rotated_at = CASE WHEN $4 THEN now() ELSE w.rotated_at END
+RETURNING {OWNER_JSON}, secret = $3"""
+AUDIT = ("INSERT INTO audit_log (at, key_id, owner, action, subject, data) "
+         "VALUES (now(), $1, $2, 'webhook.set', $3, $4::jsonb)")
+
+
+def _may_act_for(caller: Principal, owner: str) -> None:
+    if not caller.admin and caller.owner != owner:
+        raise ApiError(403, ErrorCode.FORBIDDEN, f"a key of owner {caller.owner!r} may manage only its own owner's "
+                                                 "webhook; another owner's needs the scope 'admin'", "owner")
+
+
+async def get_owner(*, owner: str, caller: Principal) -> dict[str, Any]:
+    _may_act_for(caller, owner)
+    found = await pg.fetchval(GET_OWNER, owner)
+    if found is None:
+        raise ApiError(404, ErrorCode.NOT_FOUND, f"owner {owner!r} has no webhook settings; PUT them first", "owner")
+    return {**json.loads(found), "secret": None}
+
+
+async def put_owner(*, owner: str, url: str | None, rotate: bool, caller: Principal,
+                    settings: ApiSettings) -> dict[str, Any]:
+    """Set the owner's default URL (null: none) and make its secret on first use or when asked to rotate; the
+    secret is in this answer only."""
+    _may_act_for(caller, owner)
+    if url is not None:
+        await vet(url, settings, "url")
+    secret = webhooks.new_secret()
+    try:
+        async with (await pg.pool()).acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(PUT_OWNER, owner, url, secret, rotate)
+            await conn.execute(AUDIT, caller.key_id, caller.owner, owner,
+                               json.dumps({"url": url, "secret_made": bool(row[1])}))
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+    return {**json.loads(row[0]), "secret": secret if row[1] else None}
+
+
+DELIVERY_JSON = """json_build_object(
+    'id', id, 'event', event, 'event_id', event_seq, 'url', url, 'status', status, 'attempts', attempts,
+    'next_attempt_at', CASE WHEN status = 'pending' THEN next_attempt_at END, 'last_attempt_at', last_attempt_at,
+    'last_status_code', last_status_code, 'last_error', last_error, 'delivered_at', delivered_at,
+    'created_at', created_at)::text"""
+
+
+async def deliveries(*, job_id: str, owner: str | None, after: int, limit: int) -> bytes:
+    """The job's deliveries in event order after the event id `after`; a 404 where the job is not the caller's."""
+    args: list[Any] = [job_id, after, limit + 1]
+    sql = f"SELECT event_seq, {DELIVERY_JSON} FROM webhook_deliveries WHERE job_id = $1 AND event_seq > $2"
+    if owner is not None:
+        args.append(owner)
+        sql += " AND EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND owner = $4)"
+    rows = await pg.fetch(sql + " ORDER BY event_seq LIMIT $3", *args)
+    if not rows:
+        exists = "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1" + (" AND owner = $2)" if owner else ")")
+        if not await pg.fetchval(exists, *([job_id, owner] if owner else [job_id])):
+            raise ApiError(404, ErrorCode.NOT_FOUND, f"no job with id {job_id!r}", "id")
+    page = rows[:limit]
+    next_after = page[-1][0] if page else after
+    return (b'{"data":[' + ",".join(r[1] for r in page).encode() + b'],"has_more":'
+            + (b"true" if len(rows) > limit else b"false") + b',"next_after":' + str(next_after).encode() + b"}")
