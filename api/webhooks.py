@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from trainer.spec import text_problem
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -126,6 +128,9 @@ def syntax_problem(url: str) -> str | None:
         return f"is longer than {MAX_URL_CHARS} characters"
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url):
         return "contains whitespace or control characters"
+    stored = text_problem(url)
+    if stored:
+        return stored
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -166,6 +171,8 @@ async def resolve(where: Target, timeout: float = RESOLVE_TIMEOUT_SECONDS) -> li
         raise Refused(f"host {where.host!r} did not resolve within {timeout:g} s") from None
     except OSError as exc:
         raise Refused(f"host {where.host!r} does not resolve ({exc.strerror or exc})") from None
+    except ValueError as exc:  # UnicodeError included: a name IDNA cannot encode, an empty label
+        raise Refused(f"host {where.host!r} is not a valid host name ({exc})") from None
     found: list[IPAddress] = []
     for info in infos:
         address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
