@@ -961,6 +961,17 @@ def optimizer_problems(spec: JobSpec, merger: _Merger | None) -> list[FieldError
     return errors
 
 
+def _pipeline_problems(spec: JobSpec, merger: _Merger | None) -> list[FieldError]:
+    """A raw config may set the ZeRO stage after the job's own fields were checked (trainer/stages.py)."""
+    stage = spec.deepspeed.zero_stage
+    if merger is None or stage < 2:
+        return []
+    return [FieldError("deepspeed.config.zero_optimization.stage",
+                       f"is {stage}, but resources.pipeline_stages {spec.resources.pipeline_stages} needs ZeRO stage "
+                       "0 or 1: DeepSpeed's pipeline engine does not partition gradients or parameters; set the "
+                       "stage to 1 or pipeline_stages to 1", "conflict")]
+
+
 def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJob:
     """Make every choice a job leaves open, or raise SpecError naming each bad field."""
     limits = limits or ResolveLimits()
@@ -1003,7 +1014,14 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
                                          'offload to "nvme" needs nvme_path, a directory under the NVMe root'))
     errors += optimizer_problems(spec, merger)
     world = spec.resources.num_gpus * spec.resources.num_nodes  # every node runs num_gpus ranks
-    g, m, a = _resolve_batch(spec, world, raw_batch, limits, errors, notes, merger)
+    stages = spec.resources.pipeline_stages
+    if stages > 1:
+        # The batch is split over the data-parallel ranks only; each pipeline runs its micro batches in turn.
+        errors += _pipeline_problems(spec, merger)
+        notes.append(f"pipeline_stages {stages}: data-parallel degree {max(1, world // stages)} = {world} processes "
+                     f"/ {stages} stages; the batch fields below count data-parallel ranks as processes")
+    dp = world // stages if world % stages == 0 else world
+    g, m, a = _resolve_batch(spec, dp, raw_batch, limits, errors, notes, merger)
     hp = spec.hyperparameters
     if hp.max_steps is not None and hp.warmup_steps > hp.max_steps:
         errors.append(FieldError("hyperparameters.warmup_steps",
@@ -1019,7 +1037,7 @@ def resolve(spec: JobSpec, *, limits: ResolveLimits | None = None) -> ResolvedJo
     hp.global_batch_size = g
     cfg = render(spec, g, m, a, merger)
     # The last word before a 201: what DeepSpeed's own parser checks, at this job's world size.
-    problems = dsfields.check_rendered(cfg, world)
+    problems = dsfields.check_rendered(cfg, dp)
     if problems:
         raise SpecError([FieldError("deepspeed.config", f"{DS} would refuse the rendered config: {p}", "value")
                          for p in problems])

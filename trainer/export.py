@@ -50,7 +50,10 @@ def export(engine: Any, tokenizer: PreTrainedTokenizerBase, spec: JobSpec, model
            output_dir: Path, rank: int, step: int, final_loss: float | None, fence: Fence) -> list[str]:
     """Collective: every rank must call it. The files are written into the attempt's staging folder and
     moved to `output_dir` only while the attempt is current, then marked COMPLETE."""
+    from trainer import pipeline
+
     module = engine.module
+    pipelined = pipeline.is_pipeline(engine)
     stage3 = spec.deepspeed.zero_stage == 3
     state = _gather_stage3_state_dict(module, rank) if stage3 else None
     staged = fence.staging(output_dir.parent, "output")
@@ -58,8 +61,12 @@ def export(engine: Any, tokenizer: PreTrainedTokenizerBase, spec: JobSpec, model
         if staged.exists():
             shutil.rmtree(staged)
         staged.mkdir(parents=True)
-        # With LoRA, peft's save_pretrained writes only the adapter (it filters the state dict itself).
-        module.save_pretrained(staged, state_dict=state, safe_serialization=True)
+        if pipelined:
+            # The weights come from every stage below; the config says what model they make.
+            module.config.save_pretrained(staged)
+        else:
+            # With LoRA, peft's save_pretrained writes only the adapter (it filters the state dict itself).
+            module.save_pretrained(staged, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(staged)
         gen = getattr(module, "generation_config", None)
         if gen is not None and not (staged / "generation_config.json").exists():
@@ -67,6 +74,8 @@ def export(engine: Any, tokenizer: PreTrainedTokenizerBase, spec: JobSpec, model
         if spec.lora is not None and spec.lora.merge_on_export:
             _write_merged(spec, model_location, staged, tokenizer)
     _barrier()
+    if pipelined:
+        pipeline.write_weights(engine, staged)
     files: list[str] = []
     if rank == 0:
         files = _list_files(staged)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, kernels, memory, oom, optim, swap, tuning
+from trainer import checkpoint, export, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -259,10 +259,13 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     swap_folder = swap.attempt_folder(run_spec.model_dump())
     cfg, adjustments = ds_config(run_spec, swap_folder)
+    stages = spec.resources.pipeline_stages
     plan = kernels.choose(job, _on_gpu(), model)
+    if stages > 1:
+        plan = pipeline.kernel_plan(plan)
     adjustments += kernels.apply(model, plan)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
-    if setting is None and job.micro_batch_auto and _on_gpu() and tuning.fits_unsharded(model):
+    if setting is None and job.micro_batch_auto and _on_gpu() and stages == 1 and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
         micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
         accum = hp.global_batch_size // (micro * world)
@@ -280,8 +283,11 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
     memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
                               memory.available_host_bytes(), optimizer_share=share)
     adjustments += kernels.compile_for(model, plan)
-    order = BatchOrder(len(train_blocks), micro=micro, accum=accum, world=world, seed=hp.seed)
+    # Data parallelism spans world / stages ranks: the stages of one pipeline read the same rows.
+    order = BatchOrder(len(train_blocks), micro=micro, accum=accum, world=world // stages, seed=hp.seed)
     total_steps = hp.max_steps or max(1, math.ceil(hp.epochs * order.batches_per_epoch))
+    if stages > 1:
+        model = pipeline.build(model, stages, spec.resources.pipeline_partition)
     trainable = [p for p in model.parameters() if p.requires_grad]
     session.forced.check("setup")
     guard.engine, _, _, scheduler = deepspeed.initialize(
@@ -317,6 +323,9 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
     every = spec.checkpointing.every_steps
     eval_every = hp.eval_every_steps if val_blocks is not None else None
     progress = Progress(window_start=time.time())
+    pipelined = pipeline.is_pipeline(engine)
+    evaluate_fn = (lambda: pipeline.evaluate(engine, val_blocks, micro, device)) if pipelined else (
+        lambda: evaluate(engine, val_blocks, micro, rank, world, device))
     run_start, start_step = time.time(), state.step
     guard.step = state.step
     if accel.device_name() == "cuda":
@@ -329,9 +338,12 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
         real_tokens = int(train_blocks.real_tokens[global_rows].sum())
         # engine.backward divides by the accumulation steps and gradients are averaged over ranks; this
         # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
-        scale = order.accum * world / max(1, label_tokens)
+        scale = order.accum * order.world / max(1, label_tokens)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        for k, rows in enumerate(order.micro_rows(state.epoch, state.next_batch, rank)):
+        if pipelined:
+            lr = scheduler.get_last_lr()[0]
+            loss_sum += pipeline.train_step(engine, train_blocks, order, state.epoch, state.next_batch, scale)
+        for k, rows in enumerate([] if pipelined else order.micro_rows(state.epoch, state.next_batch, rank)):
             if guard.active:
                 guard.phase = "forward"
                 session.forced.check("forward")
@@ -373,7 +385,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
             progress.last_emit, progress.window_start, progress.window_tokens = now, now, 0.0
 
         if eval_every and state.step % eval_every == 0 and state.step < total_steps:
-            loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
+            loss_v, ppl = evaluate_fn()
             emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
         if stop_votes > 0:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
@@ -384,7 +396,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
     guard.active = False
 
     if val_blocks is not None:
-        loss_v, ppl = evaluate(engine, val_blocks, micro, rank, world, device)
+        loss_v, ppl = evaluate_fn()
         emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
     # The optimizer's state is dead weight now; an offloaded one fills most of host memory, where the
     # export then builds the model's files.

@@ -10,7 +10,17 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # Bounds on everything a request may hold. Each one keeps a value inside what Postgres, numpy/torch and
 # DeepSpeed accept, and keeps every validation step (the batch arithmetic included) at a few milliseconds.
@@ -258,6 +268,15 @@ class Resources(_Strict):
                     "first optimizer steps restarts the attempt in place with the next setting of the ladder (a "
                     "smaller micro batch with more accumulation, the same global batch; then activation "
                     "checkpointing; then the optimizer offloaded to the CPU), reported in `adapted` events")
+    pipeline_stages: int = Field(
+        default=1, ge=1, le=64,
+        description="Pipeline parallelism: the model's layers split into this many consecutive stages (DeepSpeed's "
+                    "pipeline engine, micro batches = gradient accumulation steps); world size = stages × "
+                    "data-parallel degree. Above 1: Llama, Mistral, Qwen2 and Qwen3 decoders, ZeRO stage 0 or 1 "
+                    '(1 unless deepspeed.zero_stage says otherwise), no LoRA, on_oom "fail"')
+    pipeline_partition: Literal["parameters", "uniform"] = Field(
+        default="parameters", description="How layers are spread over the stages: parameters (balanced parameter "
+                                          "counts) or uniform (balanced layer counts)")
 
 
 class Checkpointing(_Strict):
@@ -326,6 +345,25 @@ class JobSpec(_Strict):
     @classmethod
     def _model_from_string(cls, v: Any) -> Any:
         return {"name_or_path": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _pipeline_rules(self) -> JobSpec:
+        from trainer.stages import spec_problems
+
+        if self.resources.pipeline_stages > 1 and "zero_stage" not in self.deepspeed.model_fields_set:
+            # The usual default, stage 2, is one the pipeline engine cannot run; stage 1 is the one it can.
+            self.deepspeed.zero_stage = 1
+            # Still the default: a raw config's zero_optimization.stage may set it (checked again after the merge).
+            self.deepspeed.__pydantic_fields_set__.discard("zero_stage")
+        problems = spec_problems(self.resources.pipeline_stages, self.resources.num_gpus * self.resources.num_nodes,
+                                 self.deepspeed.zero_stage, self.lora is not None, self.resources.on_oom,
+                                 self.model.trust_remote_code)
+        if problems:
+            # Located at the field, so the API's 422 names resources.pipeline_stages rather than the body.
+            raise ValidationError.from_exception_data("JobSpec", [InitErrorDetails(
+                type=PydanticCustomError("value_error", "{message}", {"message": m}),
+                loc=("resources", "pipeline_stages"), input=self.resources.pipeline_stages) for m in problems])
+        return self
 
 
 class ResolvedJob(_Strict):

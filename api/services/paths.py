@@ -9,6 +9,7 @@ from pathlib import Path
 from api.settings import ApiSettings
 from trainer.dsconfig import FieldError
 from trainer.spec import JobSpec
+from trainer.stages import local_family_problem
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -58,6 +59,10 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
     local = _under(model_root, name)
     if local is not None and _exists(local, directory=True):
         spec.model.name_or_path = str(local)
+        stages = spec.resources.pipeline_stages
+        problem = local_family_problem(local, stages) if stages > 1 else None
+        if problem:
+            errors.append(FieldError("resources.pipeline_stages", f"{stages} stages: {problem}"))
     elif name.startswith(("/", ".", "~")):
         where = "is outside" if local is None else "does not exist under"
         errors.append(FieldError("model.name_or_path",
