@@ -133,12 +133,7 @@ class KeyCache:
     def _subscribe(self) -> None:
         # Lazily, from the first request: pg.subscribe needs the running event loop.
         self.subscribed = True
-        subscribe = getattr(pg, "subscribe", None)
-        if subscribe is None:  # the seam: without the LISTEN helper, the cache TTL alone bounds revocation
-            log.warning("no LISTEN helper in api.pg: a revoked key works on in other API processes for up to "
-                        "FT_KEY_CACHE_SECONDS")
-            return
-        subscribe(NOTIFY_CHANNEL, self.on_notify, on_connect=self.forget)
+        pg.subscribe(NOTIFY_CHANNEL, self.on_notify, on_connect=self.forget)
 
     async def lookup(self, key: bytes) -> Principal | None:
         """The key's principal, or None for a key that is unknown, revoked or expired."""

@@ -112,7 +112,7 @@ class Feed:
             self._wake.clear()
             try:
                 got = await self._poll()
-            except pg.UNREACHABLE as exc:
+            except (*pg.UNREACHABLE, ApiError) as exc:  # ApiError: the 503 that api.pg raises for an outage
                 log.warning("Postgres unreachable while following job %s (%s); retrying", self.job_id,
                             type(exc).__name__)
                 await asyncio.sleep(delay)
@@ -140,9 +140,7 @@ class Feed:
             start = self.last_seq
         # The status first: if the job had ended before the events were read, no event can follow them.
         status = await db.fetchval("SELECT status FROM jobs WHERE id = $1", self.job_id)
-        rows = await db.fetch(
-            f"SELECT seq, type, attempt, {reads.EVENT_JSON}, data->>'rank', data->>'line' FROM job_events "
-            "WHERE job_id = $1 AND seq > $2 ORDER BY seq LIMIT $3", self.job_id, start, BATCH)
+        rows = await reads.events_after(self.job_id, start, BATCH, None)
         self.buffer.extend(event_of(r) for r in rows)
         first_read = self.last_seq is None
         self.last_seq = rows[-1][0] if rows else start

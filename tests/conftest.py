@@ -24,7 +24,9 @@ from scripts.stack import ROOT, Stack, migrate
 from tests.helpers import free_port
 
 PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname=postgres")
-REDIS_DB = int(os.environ.get("FT_TEST_REDIS_DB", "9"))
+# Under pytest-xdist each worker process is a session of its own: its own database, stack and Redis database.
+_XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
+REDIS_DB = int(os.environ.get("FT_TEST_REDIS_DB", "9")) + (int(_XDIST.removeprefix("gw")) if _XDIST else 0)
 
 
 @pytest.fixture(scope="session")

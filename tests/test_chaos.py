@@ -166,7 +166,7 @@ def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committ
     q = queue("midsave")
     # Its saves linger between the shards and the commit, so that the kill lands mid-save on a loaded machine.
     doomed = workers("doomed", q, {SAVE_PAUSE_ENV: "1.5"})
-    spec = make_job(name="midsave", hyperparameters={"max_steps": 40}, resources={"queue": q},
+    spec = make_job(name="midsave", hyperparameters={"max_steps": 16}, resources={"queue": q},
                     checkpointing={"every_steps": 4, "keep_last": 2})
     job = api.post("/jobs", json=spec).json()
     job_dir = roots["artifacts"] / "jobs" / job["id"]
@@ -176,8 +176,9 @@ def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committ
     staging = job_dir / "checkpoints" / f".attempt-{a1}"
 
     def caught_mid_save() -> tuple[int, int] | None:
-        """Freeze the ranks while a save is staged and not yet committed: (step being saved, last committed)."""
-        if not any(staging.glob("step-*")):
+        """Freeze the ranks while a save is staged and not yet committed: (step being saved, last committed).
+        Not the first save: the next attempt must be seen resuming from a committed one."""
+        if not committed_markers(job_dir) or not any(staging.glob("step-*")):
             return None
         pids = rank_pids(job["id"], a1)
         for pid in pids.values():
