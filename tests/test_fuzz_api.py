@@ -38,7 +38,7 @@ from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_r
 TOKEN = fixed_key("fuzz")  # an admin key of its own owner, stored in the fuzzed API's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 QUEUE = "fuzz-parked"  # no worker serves it
-# Examples per operation and mode: the 12 operations with inputs get 400 each; the two probes have one input.
+# Examples per operation and mode: the 15 operations with inputs get 400 each; the two probes have one input.
 EXAMPLES = {GenerationMode.POSITIVE: 250, GenerationMode.NEGATIVE: 150}
 MIN_REQUESTS = 2000
 # ignored_auth re-sends a successful request without the token (once per operation) and expects a 401.
@@ -102,8 +102,8 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str]) -> No
         return st.sampled_from([params["job_id"], *ended_jobs]).map(lambda job_id: {**params, "job_id": job_id})
 
     operations = [result.ok() for result in schema.get_all_operations()]
-    # 6 job operations, 3 of keys, 2 of quotas, the audit log, the nodes and the 2 probes
-    assert len(operations) == 15, [op.label for op in operations]
+    # 6 job operations, 3 of keys, 2 of quotas, the audit log, the nodes, 3 of webhooks and the 2 probes
+    assert len(operations) == 18, [op.label for op in operations]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
     session = requests.Session()
