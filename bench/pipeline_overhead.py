@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from bench.shapes import model_config
+from trainer.recipe import _skip_shared_memory_collectives
 
 TINY = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
@@ -38,6 +39,8 @@ def _init_single_process() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
+    # As the trainer does: on the CPU, no shared-memory all-reduce op (built on first use, minutes, unused).
+    _skip_shared_memory_collectives()
     deepspeed.init_distributed()
 
 
