@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer import elastic
 from trainer.events import emit_rank0
 from trainer.fence import Fence
 
@@ -96,6 +97,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     (staged / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
     if rank == 0:
         (staged / STATE_FILE).write_text(json.dumps(asdict(state)))
+    elastic.record(staged, engine, rank)
     _pause_for_tests()
     _barrier()
     removed: list[str] = []
@@ -110,6 +112,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
         for old in tags[: max(0, len(tags) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
             removed.append(str(old))
+        elastic.prune(checkpoint_dir, keep=tag_dir)
     emit_rank0("checkpoint", step=state.step, path=str(tag_dir), committed=True, removed=removed)
     # Nobody may start the next save (or exit) before the commit and pruning are done.
     _barrier()
@@ -123,7 +126,11 @@ def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence) -> Traine
     if not tags:
         return None
     tag_dir = tags[-1]
-    load_path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag_dir.name)
+    # Another world size than the one that wrote it goes through the tag's universal copy (trainer/elastic.py).
+    plan = elastic.plan(tag_dir, dist.get_world_size() if dist.is_initialized() else 1)
+    elastic.check_engine(plan, engine)
+    load_dir, tag = elastic.load_source(plan, checkpoint_dir, rank, fence)
+    load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {tag_dir}")
     state = TrainerState(**json.loads((tag_dir / STATE_FILE).read_text()))

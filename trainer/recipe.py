@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, export, kernels, memory, oom, optim, pipeline, swap, tuning
+from trainer import checkpoint, elastic, export, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -290,6 +290,8 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         model = pipeline.build(model, stages, spec.resources.pipeline_partition)
     trainable = [p for p in model.parameters() if p.requires_grad]
     session.forced.check("setup")
+    # A checkpoint of another world size loads through DeepSpeed's universal format (trainer/elastic.py).
+    elastic.configure(cfg, checkpoint.committed_tags(Path(run_spec.paths.checkpoint_dir)), world)
     guard.engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=trainable, optimizer=optim.client_optimizer(job, trainable), config=cfg,
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
