@@ -78,6 +78,13 @@ async def fetchval(sql: str, *args: Any) -> Any:
         raise unavailable() from exc
 
 
+async def fetchrow(sql: str, *args: Any) -> asyncpg.Record | None:
+    try:
+        return await (await pool()).fetchrow(sql, *args)
+    except UNREACHABLE as exc:
+        raise unavailable() from exc
+
+
 async def fetch(sql: str, *args: Any) -> list[asyncpg.Record]:
     try:
         return await (await pool()).fetch(sql, *args)

@@ -15,6 +15,8 @@ from typing import Any
 
 from api import pg
 from api.errors import ApiError, ErrorCode, invalid
+from api.jobcache import JobCache
+from api.settings import get_settings
 from trainer.dsconfig import FieldError
 
 # Progress keys every reader may rely on, null until the trainer reports them.
@@ -38,6 +40,7 @@ def not_found(job_id: str) -> ApiError:
 # Two texts per read, with and without the owner: each is prepared once per connection with a plan of its own.
 JOB_BY_ID = f"SELECT {JOB_JSON} FROM jobs WHERE id = $1"
 JOB_BY_ID_AND_OWNER = JOB_BY_ID + " AND owner = $2"
+JOB_WITH_OWNER = f"SELECT owner, {JOB_JSON} FROM jobs WHERE id = $1"
 EXISTS = "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1)"
 EXISTS_FOR_OWNER = "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1 AND owner = $2)"
 
@@ -48,6 +51,26 @@ async def job(job_id: str, owner: str | None = None) -> bytes:
     if text is None:
         raise not_found(job_id)
     return text.encode()
+
+
+_cache: JobCache | None = None
+
+
+async def job_cached(job_id: str, owner: str | None = None) -> bytes:
+    """`job`, served from this process's cache while Postgres notifies changes (api/jobcache.py). Only for
+    plain reads: a route that has just written the job reads it with `job`, its own write not yet notified."""
+    global _cache
+    if _cache is None:
+        _cache = JobCache(get_settings().job_cache_size)
+    found = await _cache.get(job_id, owner, _job_with_owner)
+    if found is None:
+        raise not_found(job_id)
+    return found
+
+
+async def _job_with_owner(job_id: str) -> tuple[str, bytes] | None:
+    row = await pg.fetchrow(JOB_WITH_OWNER, job_id)
+    return None if row is None else (row[0], row[1].encode())
 
 
 async def exists(job_id: str, owner: str | None = None) -> bool:

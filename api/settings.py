@@ -32,6 +32,9 @@ class ApiSettings(BaseSettings):
     # How long an API process trusts what it read about a key (owner, scopes, expiry, revoked). Revocation
     # reaches every process at once through a notification; this bounds it when one is missed.
     key_cache_seconds: float = 10.0
+    # Jobs whose JSON each API process keeps for GET /jobs/{id}, dropped when the row changes (api/jobcache.py);
+    # 0 turns the cache off.
+    job_cache_size: int = 4096
     # Quotas for an owner an admin set none for (PUT /owners/{owner}/quota); empty: no limit.
     quota_max_active_jobs: int | None = 100
     quota_max_gpus: int | None = None
@@ -56,6 +59,8 @@ class ApiSettings(BaseSettings):
     webhook_backoff_max_seconds: float = 600.0
     webhook_concurrency: int = 32  # deliveries in flight, all receivers together
     webhook_per_receiver: int = 2  # in flight to one receiver (scheme, host, port): a slow one holds only these
+    # PEM file of CAs trusted for https receivers besides the system's (receivers with an internal CA); empty: none.
+    webhook_ca_file: str = ""
     loop_interval_seconds: float = 0.5
 
     @property

@@ -94,7 +94,7 @@ async def list_jobs(caller: CallerDep,
 
 @router.get("/{job_id}", response_model=Job, responses=responses(404), openapi_extra=READ)
 async def get_job(job_id: JobId, caller: CallerDep) -> Response:
-    return JSONBytes(await reads.job(job_id, owner_of(caller)))
+    return JSONBytes(await reads.job_cached(job_id, owner_of(caller)))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409),

@@ -1,0 +1,54 @@
+"""GET /jobs/{id} is served from each API process's cache, and never stale once Postgres notified the change:
+a change made behind the API's back (straight in the database, as the ingester or the reaper make them) is
+seen at once by every process, and so is one made while the processes' LISTEN connections were cut."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import psycopg
+
+from tests.test_followers import _listen_backends
+
+
+def _set_metadata(database_url: str, job_id: str, value: str) -> None:
+    with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("UPDATE jobs SET metadata = jsonb_build_object('mark', %s::text) WHERE id = %s", (value, job_id))
+
+
+def _seen_everywhere(api: httpx.Client, job_id: str, value: str, timeout: float) -> float:
+    """Seconds until GET shows `value`, then 30 more reads (every API process answers some) all show it."""
+    start = time.monotonic()
+    while api.get(f"/jobs/{job_id}").json()["metadata"].get("mark") != value:
+        assert time.monotonic() - start < timeout, f"GET still shows the old job {timeout} s after the change"
+        time.sleep(0.01)
+    seen = time.monotonic() - start
+    marks = [api.get(f"/jobs/{job_id}").json()["metadata"].get("mark") for _ in range(30)]
+    assert marks == [value] * 30, marks
+    return seen
+
+
+def test_a_cached_job_changes_as_soon_as_its_row_does(api: httpx.Client, make_job: Any,
+                                                      stack_env: dict[str, str]) -> None:
+    db = stack_env["FT_DATABASE_URL"]
+    job = api.post("/jobs", json=make_job(name="cached", resources={"queue": "nobody-serves-this"})).json()
+    delays = []
+    for i in range(5):
+        for _ in range(20):  # warm every process's cache with the current row
+            api.get(f"/jobs/{job['id']}")
+        _set_metadata(db, job["id"], f"v{i}")
+        # Far under the cache's 30 s age limit: only the notification can have dropped the entries.
+        delays.append(_seen_everywhere(api, job["id"], f"v{i}", timeout=2.0))
+    assert max(delays) < 1.0, delays
+
+    # The listener cut: what changes meanwhile is notified to no one; the processes read Postgres while
+    # they do not listen and empty their caches when they listen again.
+    for _ in range(20):
+        api.get(f"/jobs/{job['id']}")
+    assert _listen_backends(db, terminate=True) >= 1
+    _set_metadata(db, job["id"], "while cut off")
+    _seen_everywhere(api, job["id"], "while cut off", timeout=2.0)
+    assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202
+    assert api.get(f"/jobs/{job['id']}").json()["status"] == "cancelled"
