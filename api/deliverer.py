@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import threading
 import time
 from collections import Counter
@@ -118,11 +119,18 @@ class Deliverer:
         if self._thread is not None:
             self._thread.join(timeout=self.settings.webhook_timeout_seconds + 2 * POLL_SECONDS)
 
-    async def _run(self) -> None:
+    def client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=self.settings.webhook_concurrency, max_keepalive_connections=0)
+        verify: ssl.SSLContext | bool = True
+        if self.settings.webhook_ca_file:
+            verify = ssl.create_default_context()
+            verify.load_verify_locations(self.settings.webhook_ca_file)
         # trust_env off: a proxy from the environment would connect somewhere the address check never saw.
-        async with httpx.AsyncClient(limits=limits, follow_redirects=False, trust_env=False,
-                                     timeout=self.settings.webhook_timeout_seconds) as client:
+        return httpx.AsyncClient(limits=limits, follow_redirects=False, trust_env=False, verify=verify,
+                                 timeout=self.settings.webhook_timeout_seconds)
+
+    async def _run(self) -> None:
+        async with self.client() as client:
             pause = 0.5
             while not self._stopping.is_set():
                 try:
@@ -206,10 +214,19 @@ class Deliverer:
         extensions = {"sni_hostname": where.host} if where.scheme == "https" else {}
         try:
             async with asyncio.timeout(self.settings.webhook_timeout_seconds):
-                request = client.build_request("POST", where.url_for(addresses[0]), content=row.body,
-                                               headers=headers, extensions=extensions)
-                response = await client.send(request, stream=True)
-                await response.aclose()  # the status is the answer; the body is not read
+                # Each checked address in the resolver's order, the next one only where a connection was refused
+                # (a name with IPv4 and IPv6 addresses, a receiver listening on one of them).
+                for i, address in enumerate(addresses):
+                    request = client.build_request("POST", where.url_for(address), content=row.body,
+                                                   headers=headers, extensions=extensions)
+                    try:
+                        response = await client.send(request, stream=True)
+                    except httpx.ConnectError:
+                        if i + 1 == len(addresses):
+                            raise
+                        continue
+                    await response.aclose()  # the status is the answer; the body is not read
+                    break
         except TimeoutError:
             return None, f"no answer within {self.settings.webhook_timeout_seconds:g} s"
         except httpx.HTTPError as exc:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +28,12 @@ import psycopg
 import pytest
 
 from api import webhooks
-from api.deliverer import backoff
+from api.deliverer import Claimed, Deliverer, backoff
 from api.models import Job
 from api.services.webhooks import event_type
 from api.settings import ApiSettings
 from tests.apiproc import ApiProcess, fresh_database, make_roots
+from tests.conftest import create_key
 from tests.helpers import wait_for, wait_status
 
 PARKED = "webhooks-parked"  # no worker serves it
@@ -51,16 +55,21 @@ class Receiver:
     server: ThreadingHTTPServer
     got: list[Received] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
+    sni: list[str | None] = field(default_factory=list)  # the TLS server names clients sent
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def at(self, path: str) -> list[Received]:
         return [r for r in self.got if r.path == path]
 
 
-def start_receiver() -> Receiver:
+def start_receiver(tls: ssl.SSLContext | None = None) -> Receiver:
     receiver: Receiver
 
     class Handler(BaseHTTPRequestHandler):
@@ -85,6 +94,9 @@ def start_receiver() -> Receiver:
 
     receiver = Receiver(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
     receiver.server.daemon_threads = True
+    if tls is not None:
+        tls.sni_callback = lambda _sock, name, _ctx: receiver.sni.append(name)  # type: ignore[assignment]
+        receiver.server.socket = tls.wrap_socket(receiver.server.socket, server_side=True)
     threading.Thread(target=receiver.server.serve_forever, daemon=True).start()
     return receiver
 
@@ -172,7 +184,8 @@ def test_allow_list_permits_only_its_ranges() -> None:
 @pytest.mark.parametrize(("url", "problem"), [("ftp://example.com/x", "http:// or https://"),
                                               ("http:///path", "names no host"), ("https://a b.com/", "whitespace"),
                                               ("http://example.com:99999/", "not a URL"),
-                                              ("https://example.com/#frag", "fragment")])
+                                              ("https://example.com/#frag", "fragment"),
+                                              ("https://example.com/\ud800", "surrogate")])
 def test_url_syntax_is_checked(url: str, problem: str) -> None:
     assert problem in (webhooks.syntax_problem(url) or "")
 
@@ -183,6 +196,8 @@ def test_names_resolve_and_internal_names_are_refused() -> None:
         asyncio.run(webhooks.vet("http://localhost:8080/hook", ()))
     with pytest.raises(webhooks.Refused, match="does not resolve"):
         asyncio.run(webhooks.vet("http://no-such-host.invalid/hook", ()))
+    with pytest.raises(webhooks.Refused, match="not a valid host name"):
+        asyncio.run(webhooks.vet("http://a..b/hook", ()))
     where, addresses = asyncio.run(webhooks.vet("http://localhost:8080/hook?x=1", webhooks.parse_allow_nets(
         "127.0.0.0/8,::1/128")))
     assert addresses and all(a.is_loopback for a in addresses)
@@ -203,6 +218,72 @@ def test_signature_verifies_and_tampering_or_replay_does_not() -> None:
     forged = webhooks.signature("whsec_x", now - 1000, body).replace(f"t={now - 1000}", f"t={now}")
     assert not webhooks.verify("whsec_x", forged, body)  # the timestamp is signed too
     assert not webhooks.verify("whsec_x", "garbage", body)
+
+
+def test_the_readme_snippet_verifies_as_the_service_signs() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = readme.split("To verify, in Python:\n\n```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {}
+    exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 (the README's own code, run as a reader would)
+    body = b'{"type":"job.running"}'
+    header = webhooks.signature("whsec_readme", int(time.time()), body)
+    assert scope["verify"]("whsec_readme", header, body)
+    assert not scope["verify"]("whsec_readme", header, body + b" ")
+    assert not scope["verify"]("whsec_other", header, body)
+    old = webhooks.signature("whsec_readme", int(time.time()) - 301, body)
+    assert not scope["verify"]("whsec_readme", old, body)
+
+
+def certificates(where: Path) -> tuple[Path, Path, Path]:
+    """A CA of the test's own and a certificate it signed for `localhost` (CA, certificate, key)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True, timeout=60)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=ft test CA")
+    openssl("req", *ec, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", "/CN=localhost")
+    (where / "san.ext").write_text("subjectAltName=DNS:localhost\n")
+    openssl("x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "leaf.pem", "-days", "1", "-extfile", "san.ext")
+    return where / "ca.pem", where / "leaf.pem", where / "leaf.key"
+
+
+def test_https_goes_to_the_checked_address_named_in_sni_and_verified(tmp_path: Path) -> None:
+    ca, cert, key = certificates(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    receiver = start_receiver(tls)
+    try:
+        # Every address localhost resolves to is checked (and allowed here); the one listening is reached.
+        allow = "127.0.0.1/32,::1/128"
+
+        def send(url: str, ca_file: str = str(ca), nets: str = allow) -> tuple[int | None, str | None]:
+            deliverer = Deliverer(ApiSettings(webhook_allow_nets=nets, webhook_ca_file=ca_file))
+            row = Claimed(id="whd_tls", url=url, receiver="", event="job.running", body=b'{"type":"job.running"}',
+                          attempts=1, secret="whsec_tls")
+
+            async def go() -> tuple[int | None, str | None]:
+                async with deliverer.client() as client:
+                    return await deliverer._send(client, row)
+
+            return asyncio.run(go())
+
+        assert send(f"https://localhost:{receiver.port}/ok") == (200, None)
+        [got] = receiver.got
+        assert receiver.sni == ["localhost"]  # the name went in TLS although the connection went to an address
+        assert got.headers["Host"] == f"localhost:{receiver.port}"
+        assert webhooks.verify("whsec_tls", got.headers["X-FT-Signature"], got.body)
+        # Without the CA the certificate is not trusted; by address it does not match the name: both refused.
+        code, error = send(f"https://localhost:{receiver.port}/ok", ca_file="")
+        assert code is None and error and "CERTIFICATE_VERIFY_FAILED" in error, error
+        code, error = send(f"https://127.0.0.1:{receiver.port}/ok")
+        assert code is None and error and "CERTIFICATE_VERIFY_FAILED" in error, error
+        # The same receiver without the allow-list: refused before any connection.
+        code, error = send(f"https://localhost:{receiver.port}/ok", nets="10.0.0.0/8")
+        assert code is None and error and error.startswith("refused: ") and "loopback" in error, error
+        assert len(receiver.got) == 1
+    finally:
+        receiver.server.shutdown()
 
 
 def test_backoff_doubles_with_jitter_up_to_its_cap() -> None:
@@ -232,8 +313,10 @@ def test_which_job_events_are_announced() -> None:
 
 def test_a_job_run_to_success_delivers_signed_events_in_order(api: httpx.Client, make_job: Callable[..., Any],
                                                                rx: Receiver, secret: str) -> None:
+    # One CPU process and eight steps: the cheapest run that commits checkpoints and succeeds.
     body = make_job(name="webhook-run", notifications={"webhook_url": f"{rx.url}/ok"},
-                    hyperparameters={"max_steps": 8}, checkpointing={"every_steps": 4, "keep_last": 2})
+                    hyperparameters={"max_steps": 8}, checkpointing={"every_steps": 4, "keep_last": 2},
+                    resources={"num_gpus": 1})
     body["data"].pop("validation")
     r = api.post("/jobs", json=body)
     assert r.status_code == 201, r.text
@@ -341,6 +424,21 @@ def test_the_allow_list_lets_only_its_range_through(api: httpx.Client, make_job:
     for url in ("http://127.0.0.2:9/", "http://169.254.169.254/"):
         r = api.post("/jobs", json=make_job(resources={"queue": PARKED}, notifications={"webhook_url": url}))
         assert r.status_code == 422 and r.json()["error"]["field"] == "notifications.webhook_url", r.text
+
+
+def test_a_team_key_manages_only_its_own_owners_webhook(stack_env: dict[str, str], stack: Any, secret: str,
+                                                      api: httpx.Client, make_job: Callable[..., Any]) -> None:
+    key = create_key({**os.environ, **stack_env}, "webhook-team", "jobs:write")
+    job_id = parked(api, make_job, None)  # owner default's
+    with httpx.Client(base_url=stack.api_url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as team:
+        made = team.put("/owners/webhook-team/webhook", json={"url": None})
+        assert made.status_code == 200 and made.json()["secret"].startswith("whsec_"), made.text
+        assert made.json()["secret"] != secret  # a secret per owner
+        assert team.get("/owners/webhook-team/webhook").json()["secret"] is None
+        for r in (team.put("/owners/default/webhook", json={"url": None}), team.get("/owners/default/webhook")):
+            assert r.status_code == 403 and r.json()["error"]["field"] == "owner", r.text
+        assert team.get(f"/jobs/{job_id}/deliveries").status_code == 404  # another owner's job
+    api.post(f"/jobs/{job_id}/cancel")
 
 
 @pytest.fixture(scope="module")
