@@ -25,7 +25,16 @@ from api.models import ACTIVE, Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now
 from api.settings import ApiSettings
-from worker.keys import attempt_key, cancel_key, lease_key, part_done_key, released_key
+from trainer.names import (
+    EVENTS_STREAM,
+    INGEST_GROUP,
+    FailureCode,
+    attempt_key,
+    cancel_key,
+    lease_key,
+    part_done_key,
+    released_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +137,11 @@ class Reaper:
             live.add(key)
             if released is not None and not alive:
                 # Its worker shut down cleanly after a checkpoint, its processes already gone: not a loss.
-                if self._lost(job.id, job.attempt, released=json.loads(released)):
+                note = json.loads(released)
+                # Not before the ingester stored the attempt's last events (its checkpoint among them): once
+                # the job is on its next attempt they would be dropped as a superseded attempt's.
+                if ingested(self.r, note.pop("stream_id", None)) and self._lost(job.id, job.attempt,
+                                                                                 released=note):
                     acted.append(job.id)
                 continue
             if alive or clock < self.quiet_until:
@@ -157,7 +170,7 @@ class Reaper:
             losses = (0 if released is not None else 1) + _losses(session, job_id)
             if released is None and losses >= self.settings.max_attempts:
                 job.status, job.finished_at = "failed", now()
-                job.error = {"code": "worker_lost",
+                job.error = {"code": FailureCode.WORKER_LOST,
                              "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
                                         f"{self.settings.max_attempts} allowed attempts lost their worker"}
                 events.append(session, job, "state", {"status": "failed", "error": job.error})
@@ -223,6 +236,30 @@ class Reaper:
         if self.redrive_deadline is None:
             self.redrive_deadline = time.monotonic() + REDRIVE_WINDOW_SECONDS
         return [job.id for job in jobs]
+
+
+def _stream_id(value: str | bytes) -> tuple[int, int]:
+    text = value.decode() if isinstance(value, bytes) else value
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def ingested(client: redis.Redis, entry_id: str | None) -> bool:
+    """Whether the ingester's consumer group has stored (read and acknowledged) the stream entry `entry_id`
+    and everything before it."""
+    if not entry_id:
+        return True
+    try:
+        groups = client.xinfo_groups(EVENTS_STREAM)
+        group = next((g for g in groups if g["name"] in (INGEST_GROUP, INGEST_GROUP.encode())), None)
+        if group is None:
+            return True  # no group: Redis lost its data, and the entry with it
+        if _stream_id(group["last-delivered-id"]) < _stream_id(entry_id):
+            return False
+        pending = client.xpending(EVENTS_STREAM, INGEST_GROUP)
+        return not pending["pending"] or _stream_id(pending["min"]) > _stream_id(entry_id)
+    except redis.ResponseError:
+        return True  # no stream: nothing was published that could still be ingested
 
 
 def _losses(session: Session, job_id: str) -> int:

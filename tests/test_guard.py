@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.helpers import free_port, wait_for
-from worker.keys import attempt_key, lease_key
+from trainer.names import attempt_key, lease_key
 
 OWNER = "test-worker:1"
 

@@ -37,7 +37,7 @@ from tests.outage_support import (
     stored_events,
     trainer_event_count,
 )
-from worker.keys import EVENTS_STREAM, INGEST_GROUP
+from trainer.names import EVENTS_STREAM, INGEST_GROUP
 
 ENDED = {"succeeded", "failed", "cancelled"}
 POSTGRES_OUTAGE_SECONDS = 6.0

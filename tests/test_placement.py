@@ -6,11 +6,14 @@ Each test starts workers of its own (nodes with their own names and queues) on t
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import httpx
+import redis
 
 from tests.helpers import events_of, job_processes, wait_for, wait_status
+from trainer.names import gang_stop_key
 
 END = {"succeeded", "failed", "cancelled"}
 
@@ -223,3 +226,130 @@ def test_the_queue_runs_by_priority_then_owners_take_turns_then_oldest_first(
             wait_for(lambda j=job_id: not job_processes(j), 20, f"every process of {job_id} gone")
     finally:
         stack.stop("single")
+
+
+def test_a_gang_part_failing_on_its_own_stops_the_other_node_and_fails_the_job_once_with_its_error(
+        api: httpx.Client, stack: Any, make_job: Any, redis_url: str) -> None:
+    # Node 1's worker makes its rank run out of memory at its first optimizer step (the trainer's test seam,
+    # read from the worker's environment as a GPU's real error would come from its node): a failure of that
+    # part alone, while node 0's rank waits for it in a collective.
+    stack.start_worker("solo-a", queues="solo", slots=1)
+    stack.start_worker("solo-b", queues="solo", slots=1, env={"FT_TEST_FORCE_OOM": "step:1"})
+    try:
+        for name in ("solo-a", "solo-b"):
+            wait_for(lambda n=name: (x := node(api, n)) and x["state"] == "up", 60, f"node {name} up")
+        spec = make_job(name="solo", hyperparameters={"max_steps": 12},
+                        resources={"num_gpus": 1, "num_nodes": 2, "queue": "solo"})
+        job = api.post("/jobs", json=spec).json()
+        final = wait_status(api, job["id"], END, 300)
+        assert [(p["node"], p["devices"]) for p in final["placement"]] == [("solo-a", ["0"]), ("solo-b", ["0"])]
+        assert final["status"] == "failed" and final["attempt"] == 1, final
+        assert final["error"]["code"] == "out_of_memory" and "FT_TEST_FORCE_OOM" in final["error"]["message"]
+        # One failure, reported by the part that failed; node 0's part followed it and reported nothing.
+        states = events_of(api, job["id"], ["state"])
+        failed = [e for e in states if e["status"] == "failed"]
+        assert len(failed) == 1 and (failed[0]["node"], failed[0]["node_rank"]) == ("solo-b", 1), failed
+        assert not [e for e in states if e["status"] in ("lost", "released")], states
+        # Node 1's failure stopped the gang through the stop key, which names that part.
+        stop = redis.Redis.from_url(redis_url).get(gang_stop_key(job["id"], 1))
+        assert stop == b"solo-b#1"
+        wait_for(lambda: not job_processes(job["id"]), 20, "no rank of the job left on any node")
+        for name in ("solo-a", "solo-b"):
+            wait_for(lambda n=name: (x := node(api, n)) and x["slots_free"] == 1 and not x["jobs"], 20,
+                     f"node {name}'s slot free")
+    finally:
+        for name in ("solo-a", "solo-b"):
+            stack.stop(name)
+
+
+def test_a_deploy_of_one_node_of_a_gang_releases_it_and_it_resumes_from_that_checkpoint_once_the_node_is_back(
+        api: httpx.Client, stack: Any, make_job: Any) -> None:
+    for name in ("deploy-a", "deploy-b"):
+        stack.start_worker(name, queues="deploy", slots=1)
+    started_here = ["deploy-a", "deploy-b"]
+    try:
+        for name in started_here:
+            wait_for(lambda n=name: (x := node(api, n)) and x["state"] == "up", 60, f"node {name} up")
+        # No periodic checkpoint before the deploy: the one it resumes from is the one SIGTERM makes.
+        spec = make_job(name="deploy", hyperparameters={"max_steps": 30},
+                        resources={"num_gpus": 1, "num_nodes": 2, "queue": "deploy"},
+                        checkpointing={"every_steps": 1000, "keep_last": 2})
+        job = api.post("/jobs", json=spec).json()
+        wait_for(lambda: any(e["step"] >= 3 for e in events_of(api, job["id"], ["progress"])), 300,
+                 "the gang past step 3")
+        attempt1 = f"{job['id']}/attempts/1/"
+        # A deploy stops node 1's worker with SIGTERM; Celery's warm shutdown lets the job's part end first.
+        proc = stack.procs.pop("deploy-b")
+        started_here.remove("deploy-b")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: (x := node(api, "deploy-b")) and x["state"] == "draining", 20, "node deploy-b draining")
+        assert proc.wait(120) == 0
+        requeued = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["attempt"] == 2 and j, 30,
+                            "the job handed back as attempt 2")
+        wait_for(lambda: not job_processes(attempt1), 20, "no rank of attempt 1 left on any node")
+        interrupted = events_of(api, job["id"], ["interrupted"])
+        assert len(interrupted) == 1 and interrupted[0]["attempt"] == 1
+        saved = interrupted[0]["step"]
+        committed = [c for c in events_of(api, job["id"], ["checkpoint"]) if c.get("committed")]
+        assert [(c["attempt"], c["step"]) for c in committed] == [(1, saved)] and saved >= 3
+        states = [(e["attempt"], e["status"]) for e in events_of(api, job["id"], ["state"])]
+        assert (1, "released") in states and (2, "queued") in states and (1, "lost") not in states, states
+        # Node 0 alone cannot hold the gang: it waits, placed nowhere.
+        waiting = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["queued_reason"] and j, 30,
+                           "the reason it waits")
+        assert requeued["status"] == "queued" and waiting["placement"] is None, waiting
+        assert waiting["queued_reason"].startswith(("queue deploy has 1 node(s)", "waiting for 2 nodes")), waiting
+
+        # The node is back (the deploy's new worker): the gang runs again, from the step SIGTERM saved.
+        stack.start_worker("deploy-b", queues="deploy", slots=1)
+        started_here.append("deploy-b")
+        final = wait_status(api, job["id"], END, 400)
+        assert final["status"] == "succeeded", final["error"]
+        assert final["attempt"] == 2 and final["progress"]["step"] == 30
+        assert sorted(p["node"] for p in final["placement"]) == ["deploy-a", "deploy-b"]
+        evs = events_of(api, job["id"])
+        resumed = [e for e in evs if e["type"] == "started" and e["attempt"] == 2]
+        assert resumed and resumed[0]["resumed_from_step"] == saved and resumed[0]["world_size"] == 2
+        first_step = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == 2)
+        assert first_step == saved + 1
+        wait_for(lambda: not job_processes(job["id"]), 15, "no process of the job left on any node")
+    finally:
+        for name in started_here:
+            stack.stop(name)
+
+
+def test_a_draining_node_takes_no_new_job_while_the_one_on_it_ends_there(
+        api: httpx.Client, stack: Any, make_job: Any) -> None:
+    # Draining is what a worker's SIGTERM (a deploy) announces: its node is placed on no more, and the job
+    # on it ends there, the trainer checkpointing before the job goes back to the queue.
+    stack.start_worker("drain", queues="drainq", slots=2)
+    proc = stack.procs["drain"]
+    try:
+        wait_for(lambda: (x := node(api, "drain")) and x["state"] == "up", 60, "node drain up")
+        spec = make_job(name="drain", hyperparameters={"max_steps": 100_000},
+                        resources={"num_gpus": 1, "queue": "drainq"}, checkpointing={"every_steps": 1000})
+        on_it = api.post("/jobs", json=spec).json()
+        wait_for(lambda: progressing(api, on_it["id"]), 240, "the job on the node training")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: (x := node(api, "drain")) and x["state"] == "draining", 20, "node drain draining")
+        # One of its two slots is free, yet a new job of its queue is not placed there.
+        late = api.post("/jobs", json=spec).json()
+        reason = wait_for(lambda: api.get(f"/jobs/{late['id']}").json()["queued_reason"], 20, "the late job's reason")
+        still = node(api, "drain")
+        assert still is not None and still["state"] == "draining", still
+        assert reason == "waiting for a node serving queue drainq: none is up"
+        assert api.get(f"/jobs/{late['id']}").json()["placement"] is None
+        # The job on it ends there: a checkpoint at the step it reached, then back to the queue as attempt 2.
+        assert proc.wait(120) == 0
+        wait_for(lambda: api.get(f"/jobs/{on_it['id']}").json()["attempt"] == 2, 30, "the job handed back")
+        interrupted = events_of(api, on_it["id"], ["interrupted"])
+        assert len(interrupted) == 1 and interrupted[0]["attempt"] == 1
+        committed = [c for c in events_of(api, on_it["id"], ["checkpoint"]) if c.get("committed")]
+        assert [(c["attempt"], c["step"]) for c in committed] == [(1, interrupted[0]["step"])]
+        wait_for(lambda: not job_processes(on_it["id"]), 20, "no process of the job left on the node")
+        assert api.get(f"/jobs/{late['id']}").json()["placement"] is None
+        for job_id in (on_it["id"], late["id"]):
+            api.post(f"/jobs/{job_id}/cancel")
+            assert wait_status(api, job_id, END, 30)["status"] == "cancelled"
+    finally:
+        stack.stop("drain")

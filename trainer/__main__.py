@@ -12,6 +12,7 @@ import traceback
 
 from trainer.errors import Interrupted, TrainerError
 from trainer.events import emit
+from trainer.names import FailureCode
 from trainer.spec import RunSpec
 
 EXIT_FAILED = 1
@@ -24,7 +25,7 @@ def _error_code(exc: BaseException) -> str:
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
-        return "out_of_memory"
+        return FailureCode.OUT_OF_MEMORY
     return TrainerError.code
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.spec, encoding="utf-8") as f:
             run_spec = RunSpec.model_validate_json(f.read())
     except Exception as exc:
-        emit("error", code="trainer_error", message=f"cannot read run spec {args.spec}: {exc}")
+        emit("error", code=FailureCode.TRAINER_ERROR, message=f"cannot read run spec {args.spec}: {exc}")
         return EXIT_FAILED
 
     from trainer import recipe

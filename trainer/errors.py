@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from trainer.names import FailureCode
+
 
 class TrainerError(Exception):
-    code = "trainer_error"
+    code: str = FailureCode.TRAINER_ERROR
 
 
 class DataError(TrainerError):
-    code = "data_error"
+    code = FailureCode.DATA_ERROR
 
 
 class ModelLoadError(TrainerError):
-    code = "model_load_error"
+    code = FailureCode.MODEL_LOAD_ERROR
 
 
 class Interrupted(Exception):

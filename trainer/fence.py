@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from trainer.errors import TrainerError
+from trainer.names import FailureCode
 
 FENCE_FILE = "FENCE"
 STAGING = re.compile(r"^\.(?:[a-z]+-)?attempt-(\d+)$")
@@ -26,7 +27,7 @@ STAGING = re.compile(r"^\.(?:[a-z]+-)?attempt-(\d+)$")
 class Superseded(TrainerError):
     """A newer attempt of this job exists: this one must stop without committing anything."""
 
-    code = "superseded"
+    code = FailureCode.SUPERSEDED
 
 
 def current(job_dir: Path) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trainer.errors import TrainerError
+from trainer.names import FailureCode
 from trainer.spec import DeepSpeedOptions
 
 GiB = 2**30
@@ -36,7 +37,7 @@ def offloaded_share(ratio: float, numel_per_rank: int, sub_group_size: int = DEE
 
 
 class HostMemoryError(TrainerError):
-    code = "out_of_memory"
+    code = FailureCode.OUT_OF_MEMORY
 
 
 def offload_host_bytes(ds: DeepSpeedOptions, n_params: int, n_trainable: int, local_ranks: int,

@@ -24,7 +24,7 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.keys import NODES_SET, node_key, node_queue
+from trainer.names import NODES_SET, node_key, node_queue
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.names import FailureCode
+
 # Ordered: the first pattern found in the log tail names the error.
-LOG_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
-    ("out_of_memory", re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)),
-    ("nccl_timeout", re.compile(r"NCCL.*(timeout|timed out)|Watchdog caught collective operation timeout", re.I)),
-    ("data_error", re.compile(r"DataError|data_error")),
-    ("model_load_error", re.compile(r"OSError: .*(config\.json|not a valid model identifier)|ModelLoadError")),
+LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [
+    (FailureCode.OUT_OF_MEMORY, re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)),
+    (FailureCode.NCCL_TIMEOUT,
+     re.compile(r"NCCL.*(timeout|timed out)|Watchdog caught collective operation timeout", re.I)),
+    (FailureCode.DATA_ERROR, re.compile(r"DataError|data_error")),
+    (FailureCode.MODEL_LOAD_ERROR,
+     re.compile(r"OSError: .*(config\.json|not a valid model identifier)|ModelLoadError")),
 ]
 
 
@@ -93,13 +97,13 @@ def classify_failure(exit_code: int | None, trainer_error: dict[str, Any] | None
             message += (" and left no error of its own; when no operator killed it, this is the kernel's "
                         "out-of-memory killer: the node ran out of host memory (optimizer or parameter "
                         "offload to the CPU, data loading)")
-        return {"code": "killed", "message": message, "log_tail": tail[-4000:],
+        return {"code": FailureCode.KILLED, "message": message, "log_tail": tail[-4000:],
                 **({"rank": str(first_dead_rank)} if first_dead_rank is not None else {}),
                 "signal": _signal_name(signum)}
     if trainer_error and trainer_error.get("code"):
         code = str(trainer_error["code"])
         message = str(trainer_error.get("message", ""))
     else:
-        code = pattern or "trainer_error"
+        code = pattern or FailureCode.TRAINER_ERROR
         message = f"the trainer exited with code {exit_code} without completing"
     return {"code": code, "message": message, "log_tail": tail[-4000:]}

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from worker.keys import EVENTS_STREAM
+from trainer.names import EVENTS_STREAM
 
 # Bounds the live stream; the control plane copies every entry into Postgres long before this trims.
 STREAM_MAXLEN = 200_000
@@ -19,13 +19,17 @@ class Publisher:
         self.client = client
         self.job_id = job_id
         self.attempt = attempt
+        # The stream id of the last event this publisher added: what the control plane must have ingested
+        # before it acts on a hand-back (api/reaper.py), lest the attempt's last events arrive superseded.
+        self.last_id: str | None = None
 
     def _fields(self, kind: str, data: dict[str, Any]) -> dict[str, str]:
         return {"job_id": self.job_id, "attempt": str(self.attempt), "type": kind,
                 "ts": repr(time.time()), "data": json.dumps(data, default=str)}
 
     def emit(self, kind: str, **data: Any) -> None:
-        self.client.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
+        added = self.client.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
+        self.last_id = added.decode() if isinstance(added, bytes) else str(added)
 
     def emit_many(self, items: list[tuple[str, dict[str, Any]]]) -> None:
         if not items:
@@ -33,4 +37,5 @@ class Publisher:
         pipe = self.client.pipeline(transaction=False)
         for kind, data in items:
             pipe.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
-        pipe.execute()
+        added = pipe.execute()[-1]
+        self.last_id = added.decode() if isinstance(added, bytes) else str(added)

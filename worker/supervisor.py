@@ -25,8 +25,8 @@ from typing import Any
 import redis
 
 from trainer import fence, swap
-from trainer.spec import NodeShare, RunSpec
-from worker.keys import (
+from trainer.names import (
+    FailureCode,
     attempt_key,
     cancel_key,
     claim_key,
@@ -36,6 +36,7 @@ from worker.keys import (
     released_key,
     rendezvous_key,
 )
+from trainer.spec import NodeShare, RunSpec
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
 from worker.publisher import Publisher
@@ -187,6 +188,9 @@ class Attempt:
         self.rank_watch = RankWatch()
         self.stopping = stopping
         self.lease_expires_at = 0.0  # epoch seconds: when the last lease this worker set runs out
+        # What this part writes in the gang's stop key when its failure stops the others; None until it tried.
+        self.stop_mark = f"{self.node or 'node'}#{self.part}"
+        self.failure_claimed: bool | None = None
 
     # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
     def flush(self) -> None:
@@ -209,9 +213,32 @@ class Attempt:
             return "stale"
         if cancelled:
             return "cancel"
-        if stopped is not None and self.parts > 1:
+        if stopped is not None and self.parts > 1 and stopped.decode() != self.stop_mark:
             return "gang_stopped"  # another node's part failed: this one's ranks cannot go on alone
         return None
+
+    def claim_failure(self) -> bool:
+        """Whether this part owns the multi-node attempt's failure. The first part to fail sets the gang's stop
+        key (every other part then stops its ranks) and reports the job's error; a part whose ranks failed
+        after it, on the connections the first one's dead ranks broke, only followed it and reports nothing.
+        Claimed as early as the part knows it failed: when a rank reports an error, before its ranks exit."""
+        if self.failure_claimed is None:
+            try:
+                self.failure_claimed = bool(self.r.set(gang_stop_key(self.job_id, self.attempt), self.stop_mark,
+                                                       nx=True, ex=7 * 24 * 3600))
+            except redis.RedisError as exc:
+                # Unknown: report the failure (should two parts report, the job takes the first).
+                log.warning("could not claim the gang's failure: %s", exc)
+                return True
+        return self.failure_claimed
+
+    def part_over(self) -> None:
+        """This part ended and leaves the job's report to another part: its lease may lapse without the part
+        counting as a lost node (to the control plane, or to the part that reports the gang's failure)."""
+        try:
+            self.r.set(part_done_key(self.job_id, self.attempt, self.part), "1", ex=7 * 24 * 3600)
+        except redis.RedisError as exc:
+            log.warning("could not mark part %d over (its lease stays until the report window): %s", self.part, exc)
 
     def heartbeat(self, ttl: float) -> None:
         sent = time.time()
@@ -328,16 +355,20 @@ class Attempt:
             while proc.poll() is None:
                 self.collect(reader, ranks)
                 self.flush()
+                if self.parts > 1 and reason is None and self.trainer_error is not None:
+                    self.claim_failure()
                 now = time.monotonic()
                 if now >= next_beat:
                     self.heartbeat(s.lease_ttl_seconds)
                     next_beat = now + s.heartbeat_seconds
                 if reason is None:
                     reason = self.control()
+                    if reason == "gang_stopped":
+                        self.part_over()  # before its lease could lapse: the part that failed reports
                     if reason is not None:
                         kill_group(pgid, signal.SIGKILL)
                     elif now >= deadline:
-                        reason, term_at = "time_limit", now
+                        reason, term_at = FailureCode.TIME_LIMIT, now
                         kill_group(pgid, signal.SIGTERM)  # the trainer saves a checkpoint on SIGTERM
                     elif self.stopping():
                         # The worker is shutting down (a deploy): checkpoint, then hand the job back.
@@ -349,7 +380,12 @@ class Attempt:
                 if term_at is not None and now - term_at > s.term_grace_seconds:
                     kill_group(pgid, signal.SIGKILL)
                 time.sleep(s.poll_seconds)
+            if self.parts > 1 and reason is None and proc.returncode != 0 and not self.claim_failure():
+                # Decided while the lease is fresh: the cleanup below may take longer than its TTL.
+                self.part_over()
         finally:
+            if term_at is not None:
+                self.let_ranks_finish(pgid, term_at + s.term_grace_seconds, reader, ranks)
             # Whatever happened above, nothing of this attempt may outlive it.
             self.rank_watch.stop()  # before this kill, which would otherwise read as a rank's own death
             kill_group(pgid, signal.SIGKILL)
@@ -377,23 +413,36 @@ class Attempt:
             self.pending.append(("log", {"rank": None, "line": f"removed the attempt's NVMe swap folder {folder}"}))
         return self.decide(reason, proc.returncode, output_dir, time_limit)
 
+    def let_ranks_finish(self, pgid: int, until: float, reader: LineReader, ranks: RankLogTail) -> None:
+        """After a SIGTERM (a deploy, the time limit), wait until `until` (monotonic) for the attempt's processes
+        to end by themselves: the single-node runner dies of SIGTERM at once, and the guard with it, while the
+        ranks still finish their step and save the checkpoint; killing the group then would lose it. The lease
+        is renewed meanwhile (the guard that watched it is gone), and the ranks' output still read."""
+        next_beat = 0.0
+        while time.monotonic() < until:
+            if wait_group_gone(pgid, self.settings.poll_seconds):
+                return
+            self.collect(reader, ranks)
+            self.flush()
+            if time.monotonic() >= next_beat:
+                self.heartbeat(self.settings.lease_ttl_seconds)
+                next_beat = time.monotonic() + self.settings.heartbeat_seconds
+
     def decide(self, reason: str | None, exit_code: int | None, output_dir: Path, time_limit: int) -> Outcome:
+        if reason == "gang_stopped":
+            self.part_over()
         if reason in ("stale", "gang_stopped"):
             return Outcome(Status.STALE)  # the part that stopped the gang reports why
         if self.part > 0 and reason is None and exit_code == 0:
             # This node's ranks finished; node 0 (rank 0 exports and writes the completion marker) reports
             # the job's end. Its lease may lapse now without looking like a lost node.
-            try:
-                self.r.set(part_done_key(self.job_id, self.attempt, self.part), "1", ex=7 * 24 * 3600)
-            except redis.RedisError as exc:
-                log.warning("could not mark part %d done (its lease stays until the report window): %s",
-                            self.part, exc)
+            self.part_over()
             return Outcome(Status.STALE)
         if reason == "cancel":
             return Outcome(Status.CANCELLED)
-        if reason == "time_limit":
+        if reason == FailureCode.TIME_LIMIT:
             return Outcome(Status.FAILED, error={
-                "code": "time_limit", "message": f"the job ran past its time limit of {time_limit} s",
+                "code": FailureCode.TIME_LIMIT, "message": f"the job ran past its time limit of {time_limit} s",
                 "log_tail": "\n".join(self.tail)})
         completion = read_completion(output_dir)
         if completion is not None:
@@ -423,6 +472,14 @@ class Attempt:
             time.sleep(0.5)
 
     def report(self, outcome: Outcome) -> None:
+        if outcome.status is Status.FAILED and self.parts > 1 and not self.claim_failure():
+            self.part_over()
+            log.warning("job %s attempt %s: part %d failed after another node's part did; that part reports the "
+                        "job's error", self.job_id, self.attempt, self.part)
+            self.pending.append(("log", {"rank": None, "line": "another node's part of this job failed first: "
+                                         "its error is the job's", **self.where}))
+            self.flush()
+            return
         if outcome.status is Status.FAILED and self.parts > 1 and self.peer_lost():
             log.warning("job %s attempt %s: part %d ended because another node was lost; the control plane "
                         "requeues the whole job", self.job_id, self.attempt, self.part)
@@ -438,7 +495,7 @@ class Attempt:
             # which resumes from the checkpoint just saved. Every process of the attempt is gone by now,
             # so the lease goes too: nothing needs the usual grace before the next attempt may start.
             note = {"reason": "the worker shut down (SIGTERM) after the trainer saved a checkpoint",
-                    "worker": self.worker_id}
+                    "worker": self.worker_id, "stream_id": self.pub.last_id}
             try:
                 self.r.pipeline(transaction=False).set(
                     released_key(self.job_id, self.attempt, self.part), json.dumps(note), ex=7 * 24 * 3600).delete(
@@ -446,10 +503,11 @@ class Attempt:
             except redis.RedisError as exc:
                 log.warning("could not hand the job back (its lease expires by itself): %s", exc)
             return
-        if self.parts > 1 and outcome.status is not Status.SUCCEEDED:
-            # One state for the gang: every other node's part stops its ranks now (worker/keys.py).
+        if self.parts > 1 and outcome.status is not Status.SUCCEEDED and outcome.status is not Status.FAILED:
+            # One state for the gang: every other node's part stops its ranks now (a failure claimed the key
+            # already, in claim_failure).
             try:
-                self.r.set(gang_stop_key(self.job_id, self.attempt), self.node or str(self.part), ex=7 * 24 * 3600)
+                self.r.set(gang_stop_key(self.job_id, self.attempt), self.stop_mark, ex=7 * 24 * 3600)
             except redis.RedisError as exc:
                 log.warning("could not stop the other parts (their guards end them when the attempt moves on): %s",
                             exc)
@@ -506,6 +564,6 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
                 outcome = att.execute()
         except Exception as exc:  # a supervisor bug must still end the job visibly
             log.exception("supervising job %s failed", job_id)
-            outcome = Outcome(Status.FAILED, error={"code": "worker_error", "message": repr(exc)})
+            outcome = Outcome(Status.FAILED, error={"code": FailureCode.WORKER_ERROR, "message": repr(exc)})
     att.report(outcome)
     return outcome.status

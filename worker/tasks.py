@@ -6,8 +6,8 @@ from typing import Any
 
 from celery.worker import state
 
+from trainer.names import RUN_JOB
 from worker.celery_app import app, settings
-from worker.keys import RUN_JOB
 from worker.supervisor import supervise
 
 

@@ -27,8 +27,8 @@ from api.services.estimate import DryRun, estimate
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
 from trainer.dsconfig import ResolvedJob, ResolveLimits, resolve
+from trainer.names import cancel_key
 from trainer.spec import JobSpec
-from worker.keys import cancel_key
 
 CANCEL_KEY_TTL = 30 * 24 * 3600
 

@@ -1,4 +1,13 @@
-"""Redis names shared by the control plane and the workers: the one place they are spelled."""
+"""The names the control plane (api/) and the workers (worker/) share: the Celery task, the Redis keys and
+stream, and the error codes a job can end with. The one place each is spelled.
+
+Standard library only, and `trainer/__init__.py` imports nothing: importing this never imports torch or any
+worker module, so the API gets its names without either.
+"""
+
+from __future__ import annotations
+
+import enum
 
 EVENTS_STREAM = "ft:events"
 RUN_JOB = "worker.run_job"  # the Celery task that runs one attempt (worker/tasks.py)
@@ -36,19 +45,22 @@ def released_key(job_id: str, attempt: int, part: int = 0) -> str:
 
 
 def part_done_key(job_id: str, attempt: int, part: int) -> str:
-    """Set by a node (rank > 0) whose part of a multi-node attempt ended cleanly: its lease may go now, and the
-    job's end is node 0's to report."""
+    """Set by a node whose part of a multi-node attempt ended and leaves the job's report to another part: its
+    ranks finished cleanly (node 0 reports the end), or stopped for, or failed after, the part that failed
+    first. Its lease may go now without the part counting as a lost node."""
     return f"ft:job:{job_id}:done:{attempt}{_part(part)}"
 
 
 def gang_stop_key(job_id: str, attempt: int) -> str:
-    """Set by the first part of a multi-node attempt that failed: every other part stops its ranks."""
+    """Set (only if absent) by the first part of a multi-node attempt that failed, which then owns the job's
+    error; every other part stops its ranks. Its value names that part."""
     return f"ft:job:{job_id}:stop:{attempt}"
 
 
 def rendezvous_key(job_id: str, attempt: int) -> str:
     """'addr:port' where node 0 of a multi-node attempt listens: the other nodes' launchers wait for it."""
     return f"ft:job:{job_id}:rendezvous:{attempt}"
+
 
 # -- nodes (worker/node.py announces them, api/scheduler.py places jobs on them) -------------------
 NODES_SET = "ft:nodes"  # every node name ever announced: the control plane reads each one's key
@@ -63,3 +75,22 @@ def node_key(name: str) -> str:
 def node_queue(name: str) -> str:
     """The Celery queue only this node's worker consumes: the control plane sends it the jobs it placed there."""
     return NODE_QUEUE_PREFIX + name
+
+
+class FailureCode(enum.StrEnum):
+    """`error.code` of a failed job: whoever decides the failure (trainer, worker or control plane) writes one
+    of these. A StrEnum, so each is its plain string in JSON, in events and in f-strings."""
+
+    # Decided by the trainer (trainer/errors.py and its subclasses; python -m trainer).
+    TRAINER_ERROR = "trainer_error"
+    DATA_ERROR = "data_error"
+    MODEL_LOAD_ERROR = "model_load_error"
+    OUT_OF_MEMORY = "out_of_memory"  # GPU memory (torch) or the host check (trainer/memory.py)
+    SUPERSEDED = "superseded"  # a newer attempt holds the job's fence (trainer/fence.py)
+    # Decided by the worker from the attempt's end (worker/outcome.py, worker/supervisor.py).
+    NCCL_TIMEOUT = "nccl_timeout"
+    KILLED = "killed"  # a rank ended by a signal nothing in the service sent
+    TIME_LIMIT = "time_limit"
+    WORKER_ERROR = "worker_error"  # the supervisor itself failed
+    # Decided by the control plane (api/reaper.py).
+    WORKER_LOST = "worker_lost"

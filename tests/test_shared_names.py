@@ -1,0 +1,80 @@
+"""The API gets the names it shares with the workers (task, Redis keys, stream, error codes) from
+trainer/names.py, never from a worker module, and importing it never imports torch.
+
+Both are checked in a fresh interpreter: this test session itself may well have imported torch already.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every module of the api package imported in one fresh interpreter, then what that pulled in.
+PROBE = """
+import importlib, json, pkgutil, sys
+import api
+names = sorted(m.name for m in pkgutil.walk_packages(api.__path__, "api."))
+for name in names:
+    importlib.import_module(name)
+print(json.dumps({"imported": names, "torch": "torch" in sys.modules,
+                  "worker": sorted(m for m in sys.modules if m == "worker" or m.startswith("worker."))}))
+"""
+
+
+def fresh(code: str) -> dict[str, object]:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_every_api_module_imports_neither_torch_nor_any_worker_module() -> None:
+    seen = fresh(PROBE)
+    imported = seen["imported"]
+    assert isinstance(imported, list)
+    # The walk really reached the modules that use the shared names.
+    assert {"api.main", "api.controlplane", "api.dispatch", "api.reaper", "api.scheduler", "api.ingest",
+            "api.services.jobs"} <= set(imported)
+    assert seen["torch"] is False
+    assert seen["worker"] == []
+
+
+def test_no_api_source_imports_a_worker_module_even_inside_a_function() -> None:
+    # An import inside a function body escapes the check above until that function runs.
+    offenders = []
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "worker":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "worker" for a in node.names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_the_shared_names_module_imports_only_the_standard_library() -> None:
+    seen = fresh("import json, sys\nbefore = set(sys.modules)\nimport trainer.names\n"
+                 "print(json.dumps({'new': sorted(set(sys.modules) - before)}))")
+    new = seen["new"]
+    assert isinstance(new, list)
+    assert set(new) <= {"trainer", "trainer.names", "enum"}, new
+
+
+def test_the_worker_and_the_api_use_the_same_names() -> None:
+    # Both sides spell each name through the one module: the objects they hold are the very same.
+    seen = fresh("""
+import json
+import api.dispatch, api.ingest, api.reaper, trainer.names as n
+import worker.celery_app, worker.publisher, worker.supervisor, worker.tasks
+print(json.dumps({
+    "task": api.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
+    "stream": api.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
+    "keys": api.reaper.lease_key is worker.supervisor.lease_key is n.lease_key,
+    "codes": api.reaper.FailureCode is worker.supervisor.FailureCode is n.FailureCode,
+    "task_registered": n.RUN_JOB in worker.celery_app.app.tasks,
+}))
+""")
+    assert seen == {"task": True, "stream": True, "keys": True, "codes": True, "task_registered": True}
