@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
@@ -102,12 +103,23 @@ def configure(cfg: dict[str, Any], committed: list[Path], world_size: int) -> No
 
 def check_engine(resume: Plan, engine: Any) -> None:
     """The engine was built for this plan, and the checkpoint's data position means the same rows here."""
-    if bool(engine.load_universal_checkpoint()) != resume.universal:
-        raise ElasticResumeError(f"the engine was built with checkpoint.load_universal="
-                                 f"{engine.load_universal_checkpoint()} but resuming {resume.tag_dir.name} "
-                                 f"({resume.written.world_size} -> {resume.world_size} processes) needs "
-                                 f"{resume.universal}")
-    written, global_batch = resume.written.global_batch, int(engine.train_batch_size())
+    check(resume, load_universal=bool(engine.load_universal_checkpoint()),
+          global_batch=int(engine.train_batch_size()), pipelined=isinstance(engine, PipelineEngine))
+
+
+def check(resume: Plan, *, load_universal: bool, global_batch: int, pipelined: bool) -> None:
+    if resume.universal and pipelined:
+        # The converter reads pipeline checkpoints, but loading one into another data-parallel degree of a
+        # PipelineModule is not something this service has verified; a clear refusal beats a silent misload.
+        raise ElasticResumeError(
+            f"checkpoint {resume.tag_dir.name} of this pipeline-parallel job was written by "
+            f"{resume.written.world_size} processes; resuming it on {resume.world_size} is not supported. "
+            f"Run it on {resume.written.world_size} processes again")
+    if load_universal != resume.universal:
+        raise ElasticResumeError(f"the engine was built with checkpoint.load_universal={load_universal} but "
+                                 f"resuming {resume.tag_dir.name} ({resume.written.world_size} -> "
+                                 f"{resume.world_size} processes) needs {resume.universal}")
+    written = resume.written.global_batch
     if written is not None and written != global_batch:
         raise ElasticResumeError(
             f"checkpoint {resume.tag_dir.name} was written with global batch {written} "
