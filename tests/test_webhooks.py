@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
 import ssl
 import subprocess
 import threading
@@ -32,8 +31,7 @@ from api.deliverer import Claimed, Deliverer, backoff
 from api.models import Job
 from api.services.webhooks import event_type
 from api.settings import ApiSettings
-from tests.apiproc import ApiProcess, fresh_database, make_roots
-from tests.conftest import create_key
+from tests.apiproc import ApiProcess, add_key, fixed_key
 from tests.helpers import wait_for, wait_status
 
 PARKED = "webhooks-parked"  # no worker serves it
@@ -428,7 +426,8 @@ def test_the_allow_list_lets_only_its_range_through(api: httpx.Client, make_job:
 
 def test_a_team_key_manages_only_its_own_owners_webhook(stack_env: dict[str, str], stack: Any, secret: str,
                                                       api: httpx.Client, make_job: Callable[..., Any]) -> None:
-    key = create_key({**os.environ, **stack_env}, "webhook-team", "jobs:write")
+    key = fixed_key("team")
+    add_key(stack_env["FT_DATABASE_URL"], key, owner="webhook-team", scopes=("jobs:write",))
     job_id = parked(api, make_job, None)  # owner default's
     with httpx.Client(base_url=stack.api_url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as team:
         made = team.put("/owners/webhook-team/webhook", json={"url": None})
@@ -442,16 +441,18 @@ def test_a_team_key_manages_only_its_own_owners_webhook(stack_env: dict[str, str
 
 
 @pytest.fixture(scope="module")
-def bare_api(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
-    """An API without an allow-list (and no control plane: nothing is delivered, only submits checked)."""
-    base: Path = tmp_path_factory.mktemp("webhooks-bare")
-    with fresh_database() as database:
-        proc = ApiProcess({"FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_ALLOW_ANONYMOUS": "true",
-                           "FT_WEBHOOK_ALLOW_NETS": "", **make_roots(base)}, base / "api.log")
-        try:
-            yield proc.start()
-        finally:
-            proc.stop()
+def bare_api(stack: Any, stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiProcess]:
+    """A second API process on the stack's database, without the allow-list; its callers act for an owner of
+    their own, which has no webhook secret yet."""
+    proc = ApiProcess({**stack_env, "FT_WEBHOOK_ALLOW_NETS": ""}, tmp_path_factory.mktemp("webhooks-bare") / "api.log")
+    add_key(stack_env["FT_DATABASE_URL"], BARE_KEY, owner="ssrf-owner", scopes=("jobs:write",))
+    try:
+        yield proc.start()
+    finally:
+        proc.stop()
+
+
+BARE_KEY = fixed_key("ssrf")
 
 
 INTERNAL = [("http://127.0.0.1:8080/hook", "loopback"), ("http://localhost/hook", "loopback"),
@@ -460,19 +461,20 @@ INTERNAL = [("http://127.0.0.1:8080/hook", "loopback"), ("http://localhost/hook"
             ("https://0.0.0.0/", "unspecified")]
 
 
-def test_internal_urls_are_refused_at_submit_without_the_allow_list(bare_api: ApiProcess) -> None:
-    job = {"model": "tiny", "data": {"train": "train.txt"}, "resources": {"queue": PARKED}}
-    with httpx.Client(base_url=bare_api.url, timeout=30) as c:
+def test_internal_urls_are_refused_at_submit_without_the_allow_list(bare_api: ApiProcess,
+                                                                    make_job: Callable[..., Any]) -> None:
+    job = make_job(resources={"queue": PARKED})
+    with httpx.Client(base_url=bare_api.url, timeout=30, headers={"Authorization": f"Bearer {BARE_KEY}"}) as c:
         r = c.post("/jobs", json={**job, "notifications": {"webhook_url": "http://127.0.0.1/hook"}})
         assert r.status_code == 422 and "no webhook secret" in r.json()["error"]["message"], r.text
-        assert c.put("/owners/default/webhook", json={}).json()["secret"].startswith("whsec_")
+        assert c.put("/owners/ssrf-owner/webhook", json={}).json()["secret"].startswith("whsec_")
         for url, why in INTERNAL:
             for path in ("/jobs", "/jobs?dry_run=true"):
                 r = c.post(path, json={**job, "notifications": {"webhook_url": url}})
                 error = r.json()["error"]
                 assert r.status_code == 422 and error["field"] == "notifications.webhook_url", (url, r.text)
                 assert why in error["message"] and "FT_WEBHOOK_ALLOW_NETS" in error["message"], (url, error)
-            r = c.put("/owners/default/webhook", json={"url": url})
+            r = c.put("/owners/ssrf-owner/webhook", json={"url": url})
             assert r.status_code == 422 and r.json()["error"]["field"] == "url", r.text
         r = c.post("/jobs", json={**job, "notifications": {"webhook_url": "gopher://example.com/"}})
         assert r.status_code == 422 and r.json()["error"]["field"] == "notifications.webhook_url", r.text
