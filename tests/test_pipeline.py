@@ -254,3 +254,69 @@ def test_trainer_refuses_an_unsplittable_model() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     with pytest.raises(ModelLoadError, match="model_type is 'gpt2'"):
         build(model, 2, "parameters")
+
+
+# --- the stages compute the model's own forward ------------------------------------------------------------
+
+def _family_model(family: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    shape = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    config = {
+        "llama": lambda: LlamaConfig(**shape, tie_word_embeddings=False),
+        # Tied: the head is the embedding's weight (TiedLayerSpec), as in the small Qwen2 models.
+        "qwen2": lambda: Qwen2Config(**shape, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**shape, head_dim=8, tie_word_embeddings=False),
+        # A window shorter than the rows: the stages must build the sliding-window mask the model builds.
+        "mistral": lambda: MistralConfig(**shape, sliding_window=6, tie_word_embeddings=False),
+    }[family]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def single_process_group() -> None:
+    """PipelineModule needs a process group; one gloo process is enough to build and run all stages in one."""
+    import deepspeed
+
+    from tests.trainer_support import free_port
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_stages_compute_the_models_forward(family: str, single_process_group: None) -> None:
+    """Packed rows (position ids restarting per document): the pipeline layers' logits are the model's."""
+    from trainer.pipeline import build
+
+    model = _family_model(family)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    # Row 0: documents of 10 and 14 tokens; row 1: 5, 12 and 7.
+    pos = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]),
+                       torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])])
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        pipe = build(model, 1, "parameters")
+        got = pipe((ids, pos))
+    # 3 decoder layers + embedding, norm and head.
+    assert len(pipe.forward_funcs) == 6
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # Packed documents stay apart: other tokens in row 0's first document leave its second one's logits alone.
+    other = ids.clone()
+    other[0, :10] = (other[0, :10] + 1) % 96
+    with torch.no_grad():
+        changed = pipe((other, pos))
+    torch.testing.assert_close(changed[0, 10:], got[0, 10:], rtol=0, atol=1e-5)
+    assert not torch.allclose(changed[0, :10], got[0, :10])
