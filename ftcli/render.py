@@ -131,6 +131,14 @@ def dry_run_table(answer: dict[str, Any]) -> Table:
                   else f"- ({e.get('duration_basis') or 'no measured throughput'})")
     for note in e.get("notes") or []:
         table.add_row("note", note)
+    p = answer.get("placement") or {}
+    if p:
+        table.add_row("placement", ("[green]" if p.get("placeable_now") else "[yellow]") + f"{p.get('summary')}[/]")
+        for n in p.get("nodes") or []:
+            verdict = ("[green]free now[/]" if n.get("free_now") else "[yellow]busy[/]") if n.get("fits") \
+                else f"[red]cannot[/] {'; '.join(n.get('reasons') or [])}"
+            table.add_row(f"  node {n.get('node')}", f"{n.get('kind')}, {n.get('slots_free')}/{n.get('slots_total')} "
+                                                    f"slots free: {verdict}")
     return table
 
 

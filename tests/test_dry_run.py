@@ -121,6 +121,36 @@ def test_what_would_make_the_8b_fit(client: httpx.Client) -> None:
     assert e["duration_seconds"] == pytest.approx(100 * 32 * 2048 / 10_558)
 
 
+def test_placement_against_the_live_nodes(client: httpx.Client, database: str) -> None:
+    """The nodes table as the control plane keeps it (copied from the workers' announcements): an 8-slot h200
+    node, a 2-slot one that stopped heartbeating, a CPU node of another queue."""
+    with psycopg.connect(database.replace("+psycopg", ""), autocommit=True) as conn:
+        for name, kind, slots, queue, age in (("gpu-a", "h200", 8, "h200", 0), ("gpu-b", "h200", 2, "h200", 3600),
+                                              ("cpu-1", "cpu", 2, "parked-dry", 0)):
+            conn.execute("INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, last_seen) "
+                         "VALUES (%s, %s, %s, %s, %s, %s, now() - make_interval(secs => %s))",
+                         (name, kind, slots, json.dumps([str(d) for d in range(slots)]), [queue], slots, age))
+
+    def placed(**resources: Any) -> dict[str, Any]:
+        r = client.post("/jobs", params={"dry_run": "true"}, json=job(resources={"queue": "h200", **resources}))
+        assert r.status_code == 200, r.text
+        return r.json()["placement"]
+
+    p = placed(num_gpus=4)
+    by = {n["node"]: n for n in p["nodes"]}
+    assert p["placeable_now"] is True and by["gpu-a"]["fits"] and by["gpu-a"]["free_now"], p
+    assert not by["gpu-b"]["fits"] and any("lost" in r for r in by["gpu-b"]["reasons"])
+    assert any("resources.num_gpus is 4; the node has 2 slots" in r for r in by["gpu-b"]["reasons"])
+    assert not by["cpu-1"]["fits"] and "not resources.queue 'h200'" in by["cpu-1"]["reasons"][0]
+    gang = placed(num_gpus=4, num_nodes=2)
+    assert gang["placeable_now"] is False and gang["summary"].startswith("no placement: 1 node(s)"), gang
+    # The 8B shape with adamw needs more than an H200 holds per device: no node of its kind fits it.
+    r = client.post("/jobs", params={"dry_run": "true"}, json=job(
+        model="meta-llama/Llama-3.1-8B", hyperparameters={"micro_batch_size": 4}, resources={"queue": "h200"}))
+    big = {n["node"]: n for n in r.json()["placement"]["nodes"]}
+    assert not big["gpu-a"]["fits"] and big["gpu-a"]["reasons"][0].startswith("GPU memory"), big["gpu-a"]
+
+
 def test_an_unknown_model_is_valid_without_an_estimate(client: httpx.Client) -> None:
     r = client.post("/jobs", params={"dry_run": "true"}, json=job(model="someone/unknown-model"))
     assert r.status_code == 200, r.text

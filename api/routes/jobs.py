@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import anyio
@@ -68,7 +69,8 @@ async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
     # Its URL is looked up here, off the schema's synchronous validation: a slow resolver must not hold the loop.
     await webhooks.check_job(spec=spec, caller=caller, settings=settings)
     if dry_run:
-        answer = service.dry_run(settings=settings, spec=spec, caller=caller)
+        nodes = json.loads(await reads.nodes(settings.lease_grace_seconds))["data"]
+        answer = service.dry_run(settings=settings, spec=spec, caller=caller, nodes=nodes)
         return JSONBytes(answer.model_dump_json().encode())
     status, body = await service.create(settings=settings, spec=spec, caller=caller, idempotency_key=idempotency_key)
     return JSONBytes(body, status_code=status)

@@ -145,11 +145,68 @@ class Estimate(BaseModel):
     notes: list[str]
 
 
+class NodeFit(BaseModel):
+    node: str
+    kind: str
+    state: str = Field(description="up, draining or lost, as GET /nodes shows it")
+    slots_total: int
+    slots_free: int
+    fits: bool = Field(description="Whether this node could ever run its share: its queue, slots and device memory")
+    free_now: bool = Field(description="Whether it has the share's slots free now")
+    reasons: list[str] = Field(description="Why it cannot run the share; empty where it can")
+
+
+class Placement(BaseModel):
+    queue: str
+    num_nodes: int
+    slots_per_node: int
+    nodes: list[NodeFit] = Field(description="Every node the cluster knows, live from the nodes table")
+    placeable_now: bool = Field(description="Whether enough nodes have the slots free now (the scheduler then "
+                                            "still orders the job behind others by priority, owner and age)")
+    summary: str
+
+
 class DryRun(BaseModel):
     dry_run: bool = True
     owner: str
     job: dict[str, Any] = Field(description="The job as a submit would store it: name, queue, request, resolved")
     estimate: Estimate
+    placement: Placement = Field(description="The job against the nodes the cluster has now")
+
+
+def placement(nodes: list[dict[str, Any]], queue: str, num_nodes: int, slots: int,
+              gpu_per_device: int | None) -> Placement:
+    """The job's share (`slots` devices on each of `num_nodes` nodes) against each node of GET /nodes."""
+    kinds = {k.name: k for k in NODE_KINDS if k.gpus}
+    out = []
+    for n in nodes:
+        reasons = []
+        if n["state"] == "lost":
+            reasons.append("the node stopped heartbeating (lost): it receives nothing")
+        if queue not in n["queues"]:
+            reasons.append(f"it serves {', '.join(n['queues'])}, not resources.queue {queue!r}")
+        if slots > n["slots_total"]:
+            reasons.append(f"resources.num_gpus is {slots}; the node has {n['slots_total']} slots")
+        known = kinds.get(n["kind"])
+        if known is not None and gpu_per_device is not None and gpu_per_device > known.gpu_bytes:
+            reasons.append(f"GPU memory: needs {gpu_per_device / GiB:.1f} GiB per device, a {n['kind']} has "
+                           f"{known.gpu_bytes / GiB:.1f}")
+        fits = not reasons
+        out.append(NodeFit(node=n["name"], kind=n["kind"], state=n["state"], slots_total=n["slots_total"],
+                           slots_free=n["slots_free"], fits=fits, reasons=reasons,
+                           free_now=fits and n["state"] == "up" and n["slots_free"] >= slots))
+    able, free = sum(f.fits for f in out), sum(f.free_now for f in out)
+    if able < num_nodes:
+        summary = (f"no placement: {able} node(s) of queue {queue!r} can take {slots} slot(s) each, the job needs "
+                   f"{num_nodes}; it would wait in queued until such nodes join")
+    elif free < num_nodes:
+        largest = max((f.slots_free for f in out if f.fits), default=0)
+        summary = (f"would wait for {slots} free slot(s) on {num_nodes} node(s) of queue {queue!r}; "
+                   f"largest free now: {largest}")
+    else:
+        summary = f"{free} node(s) of queue {queue!r} have {slots} slot(s) free now"
+    return Placement(queue=queue, num_nodes=num_nodes, slots_per_node=slots, nodes=out,
+                     placeable_now=free >= num_nodes and able >= num_nodes, summary=summary)
 
 
 @dataclass(frozen=True)

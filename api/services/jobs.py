@@ -23,7 +23,7 @@ from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, UNFINISHED, Job
 from api.services import audit, events, idempotency
-from api.services.estimate import DryRun, estimate
+from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
 from trainer.dsconfig import ResolvedJob, ResolveLimits, resolve
@@ -119,14 +119,16 @@ def prepare(*, settings: ApiSettings, spec: JobSpec) -> tuple[dict[str, Any], Re
     return request, resolved
 
 
-def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal) -> DryRun:
+def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal, nodes: list[dict[str, Any]]) -> DryRun:
     """A submit up to its resolution, then an estimate instead of the insert: no row, event, audit entry, quota
-    use or idempotency record."""
+    use or idempotency record. `nodes`: the cluster as GET /nodes shows it."""
     request, resolved = prepare(settings=settings, spec=spec)
+    r = resolved.spec.resources
     job = {"name": spec.name, "owner": caller.owner, "queue": spec.resources.queue,
-           "gpus": resolved.spec.resources.num_gpus * resolved.spec.resources.num_nodes, "request": request,
-           "resolved": resolved.model_dump(mode="json")}
-    return DryRun(owner=caller.owner, job=job, estimate=estimate(resolved))
+           "gpus": r.num_gpus * r.num_nodes, "request": request, "resolved": resolved.model_dump(mode="json")}
+    found = estimate(resolved)
+    return DryRun(owner=caller.owner, job=job, estimate=found,
+                  placement=placement(nodes, r.queue, r.num_nodes, r.num_gpus, found.gpu_bytes_per_device))
 
 
 async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
