@@ -45,6 +45,9 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FENCED = "FENCED"  # left in the attempt's folder by the guard that ended it (worker/guard.py)
+# After a rank of a multi-node attempt reported its error, how long this node's processes get to exit by
+# themselves: the world is broken, and a rank whose peer died can hang in its process group's teardown.
+RANK_ERROR_GRACE_SECONDS = 5.0
 
 
 def free_port() -> int:
@@ -351,12 +354,16 @@ class Attempt:
         next_beat = 0.0
         reason: str | None = None
         term_at: float | None = None
+        errored_at: float | None = None  # when a rank of this multi-node part reported its error
         try:
             while proc.poll() is None:
                 self.collect(reader, ranks)
                 self.flush()
                 if self.parts > 1 and reason is None and self.trainer_error is not None:
                     self.claim_failure()
+                    errored_at = errored_at or time.monotonic()
+                    if time.monotonic() - errored_at > RANK_ERROR_GRACE_SECONDS:
+                        kill_group(pgid, signal.SIGKILL)
                 now = time.monotonic()
                 if now >= next_beat:
                     self.heartbeat(s.lease_ttl_seconds)
@@ -411,7 +418,9 @@ class Attempt:
         # The trainer clears it after a completed export; a failed, cancelled or killed attempt cannot.
         if gone and folder is not None and swap.remove(folder):
             self.pending.append(("log", {"rank": None, "line": f"removed the attempt's NVMe swap folder {folder}"}))
-        return self.decide(reason, proc.returncode, output_dir, time_limit)
+        # Killed here after its rank's own error: the error is the cause, not the kill.
+        exit_code = 1 if errored_at is not None and proc.returncode != 0 else proc.returncode
+        return self.decide(reason, exit_code, output_dir, time_limit)
 
     def let_ranks_finish(self, pgid: int, until: float, reader: LineReader, ranks: RankLogTail) -> None:
         """After a SIGTERM (a deploy, the time limit), wait until `until` (monotonic) for the attempt's processes
