@@ -397,7 +397,7 @@ class Attempt:
             self.rank_watch.stop()  # before this kill, which would otherwise read as a rank's own death
             kill_group(pgid, signal.SIGKILL)
             proc.wait()
-            gone = wait_group_gone(pgid, 10)
+            gone = self.wait_gone(pgid, 10)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             self.usage = {"cpu_seconds": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
                           "wall_seconds": round(time.monotonic() - started, 2)}
@@ -421,6 +421,17 @@ class Attempt:
         # Killed here after its rank's own error: the error is the cause, not the kill.
         exit_code = 1 if errored_at is not None and proc.returncode != 0 else proc.returncode
         return self.decide(reason, exit_code, output_dir, time_limit)
+
+    def wait_gone(self, pgid: int, timeout: float) -> bool:
+        """wait_group_gone, renewing the lease meanwhile: killed ranks orphaned by their killed parents stay in the
+        group until they are reaped, and the part must not look lost while it waits for them."""
+        end = time.monotonic() + timeout
+        while True:
+            self.heartbeat(self.settings.lease_ttl_seconds)
+            if wait_group_gone(pgid, max(0.0, min(self.settings.heartbeat_seconds, end - time.monotonic()))):
+                return True
+            if time.monotonic() >= end:
+                return False
 
     def let_ranks_finish(self, pgid: int, until: float, reader: LineReader, ranks: RankLogTail) -> None:
         """After a SIGTERM (a deploy, the time limit), wait until `until` (monotonic) for the attempt's processes
@@ -468,6 +479,7 @@ class Attempt:
         peers = [p for p in range(self.parts) if p != self.part]
         end = time.monotonic() + self.settings.lease_ttl_seconds + 1.0
         while True:
+            self.heartbeat(self.settings.lease_ttl_seconds)  # this part is alive while it looks at the others
             try:
                 pipe = self.r.pipeline(transaction=False)
                 for p in peers:
