@@ -3,9 +3,6 @@ on two CPU ranks (DeepSpeed's ZeRO with bf16 master weights and this optimizer a
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,14 @@ from trainer.spec import JobSpec
 
 pytest.register_assert_rewrite("tests.trainer_support")  # its asserts report values, like a test module's
 
-from tests.trainer_support import Event, assert_loads_and_generates, launch, make_job, of, write_run_spec  # noqa: E402
+from tests.trainer_support import (  # noqa: E402
+    assert_loads_and_generates,
+    launch,
+    make_job,
+    of,
+    straight_and_resumed,
+    write_run_spec,
+)
 
 # The `corpus` and `tiny_model` fixtures.
 pytest_plugins = ["tests.trainer_support"]
@@ -176,20 +180,8 @@ def test_adamw_bf16_resumes_exactly(tmp_path: Path, tiny_model: Path, corpus: st
     job = make_job(tiny_model, train, hyperparameters={"max_steps": 16, "warmup_steps": 2, "optimizer": "adamw_bf16"},
                    deepspeed={"zero_stage": stage, "precision": "bf16"},
                    checkpointing={"every_steps": 8, "keep_last": 3})
-    rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
-    assert rc == 0, tail
-    spec_b = write_run_spec(tmp_path, job, job_dir=tmp_path / "b")
-
-    def stop_after_step8_checkpoint(event: Event, proc: subprocess.Popen[str]) -> None:
-        if event["event"] == "checkpoint" and event["step"] == 8:
-            os.killpg(proc.pid, signal.SIGTERM)
-
-    rc, first, tail = launch(spec_b, on_event=stop_after_step8_checkpoint)
-    (stopped,) = of(first, "interrupted")
-    assert rc != 0 and 8 < stopped["step"] < 16, tail
-    rc, second, tail = launch(spec_b)
-    assert rc == 0, tail
-    assert of(second, "started")[0]["resumed_from_step"] == stopped["step"]
+    straight, first, second, stopped = straight_and_resumed(tmp_path, job, stop_after_checkpoint=8)
+    assert 8 < stopped["step"] < 16
     a = {p["step"]: p["loss"] for p in of(straight, "progress")}
     b = {p["step"]: p["loss"] for p in of(first, "progress") + of(second, "progress")}
     common = sorted(a.keys() & b.keys())

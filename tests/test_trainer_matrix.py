@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from tests.trainer_support import (  # noqa: E402
     launch,
     make_job,
     of,
+    straight_and_resumed,
     write_run_spec,
 )
 
@@ -266,26 +264,10 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path, t
     job = make_job(tiny_model, train, hyperparameters={"max_steps": 16, "warmup_steps": 2},
                    deepspeed={"zero_stage": stage, "precision": "fp32"},
                    checkpointing={"every_steps": 8, "keep_last": 3})
-    rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
-    assert rc == 0, tail
-
-    spec_b = write_run_spec(tmp_path, job, job_dir=tmp_path / "b")
-
-    def stop_after_step8_checkpoint(event: Event, proc: subprocess.Popen[str]) -> None:
-        if event["event"] == "checkpoint" and event["step"] == 8:
-            os.killpg(proc.pid, signal.SIGTERM)
-
-    rc, first, tail = launch(spec_b, on_event=stop_after_step8_checkpoint)
-    # SIGTERM is honoured at the next optimizer-step boundary: the step in flight finishes and is checkpointed.
-    (stopped,) = of(first, "interrupted")
-    assert rc != 0 and not of(first, "completed"), tail
+    straight, first, second, stopped = straight_and_resumed(tmp_path, job, stop_after_checkpoint=8)
+    # The step in flight when SIGTERM came finished and was checkpointed.
     assert 8 < stopped["step"] < 16
     assert [c["step"] for c in of(first, "checkpoint")] == [8, stopped["step"]]
-
-    rc, second, tail = launch(spec_b)
-    assert rc == 0, tail
-    (started,) = of(second, "started")
-    assert started["resumed_from_step"] == stopped["step"]
     resumed_steps = [p["step"] for p in of(second, "progress")]
     assert resumed_steps[0] == stopped["step"] + 1 and resumed_steps[-1] == 16
 

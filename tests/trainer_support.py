@@ -167,3 +167,26 @@ def assert_loads_and_generates(out: Path) -> None:
         gen = model.generate(**ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert gen.shape[1] == ids["input_ids"].shape[1] + 8
     assert isinstance(tok.decode(gen[0, ids["input_ids"].shape[1]:]), str)
+
+
+def straight_and_resumed(tmp_path: Path, job: dict[str, Any], stop_after_checkpoint: int
+                         ) -> tuple[list[Event], list[Event], list[Event], Event]:
+    """The job run straight (into `a/`), and again (into `b/`) stopped by SIGTERM once the checkpoint of
+    step `stop_after_checkpoint` is committed, then resumed to the end: (straight, first, resumed, the
+    `interrupted` event). SIGTERM is honoured at the next optimizer-step boundary, checkpointed."""
+    rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
+    assert rc == 0, tail
+    spec_b = write_run_spec(tmp_path, job, job_dir=tmp_path / "b")
+
+    def stop(event: Event, proc: subprocess.Popen[str]) -> None:
+        if event["event"] == "checkpoint" and event["step"] == stop_after_checkpoint:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    rc, first, tail = launch(spec_b, on_event=stop)
+    (stopped,) = of(first, "interrupted")
+    assert rc != 0 and not of(first, "completed"), tail
+    rc, second, tail = launch(spec_b)
+    assert rc == 0, tail
+    assert of(second, "started")[0]["resumed_from_step"] == stopped["step"]
+    return straight, first, second, stopped
+
