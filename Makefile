@@ -40,8 +40,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 ## The whole test suite: lint, then every test against real Postgres, Redis, Celery and the launcher.
+## Two pytest-xdist workers, a test file each at a time: each is a session of its own (database, Redis
+## database, stack), and most of a test's time is waiting on processes it started, which the other overlaps.
 test: install lint
-	$(PY) -m pytest -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider -n 2 --dist loadfile
 
 clean:
 	rm -rf var

@@ -32,6 +32,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
 from trainer.fence import Fence
+from trainer.names import FailureCode
 
 TOPOLOGY_FILE = "topology.json"
 UNIVERSAL_DIR = "universal"
@@ -40,7 +41,7 @@ CONVERT_TIMEOUT_S = 6 * 3600  # a conversion reads and writes every shard once; 
 
 
 class ElasticResumeError(TrainerError):
-    code = "elastic_resume_error"
+    code = FailureCode.ELASTIC_RESUME_ERROR
 
 
 @dataclass(frozen=True)

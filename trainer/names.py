@@ -77,9 +77,13 @@ def node_queue(name: str) -> str:
     return NODE_QUEUE_PREFIX + name
 
 
-class FailureCode(enum.StrEnum):
+class FailureCode(str, enum.Enum):
     """`error.code` of a failed job: whoever decides the failure (trainer, worker or control plane) writes one
-    of these. A StrEnum, so each is its plain string in JSON, in events and in f-strings."""
+    of these. A str, so each is its plain string in JSON and events; `__str__` makes it so in f-strings too
+    (what enum.StrEnum does, which Python 3.10 lacks)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
 
     # Decided by the trainer (trainer/errors.py and its subclasses; python -m trainer).
     TRAINER_ERROR = "trainer_error"
@@ -87,6 +91,7 @@ class FailureCode(enum.StrEnum):
     MODEL_LOAD_ERROR = "model_load_error"
     OUT_OF_MEMORY = "out_of_memory"  # GPU memory (torch) or the host check (trainer/memory.py)
     SUPERSEDED = "superseded"  # a newer attempt holds the job's fence (trainer/fence.py)
+    ELASTIC_RESUME_ERROR = "elastic_resume_error"  # a resume on another world size cannot go on (trainer/elastic.py)
     # Decided by the worker from the attempt's end (worker/outcome.py, worker/supervisor.py).
     NCCL_TIMEOUT = "nccl_timeout"
     KILLED = "killed"  # a rank ended by a signal nothing in the service sent
