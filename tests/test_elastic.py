@@ -12,9 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -26,14 +23,10 @@ import pytest
 pytest.register_assert_rewrite("tests.trainer_support")
 
 from tests.trainer_support import (  # noqa: E402
-    LAUNCH_TIMEOUT,
-    REPO,
     Event,
-    free_port,
+    launch,
     make_job,
     of,
-    ops_dir,
-    parse_event,
     write_run_spec,
 )
 
@@ -47,39 +40,6 @@ EVERY = 4
 # 1e-7 relative; 1e-5 is the bound of the same-world resume test (test_trainer_matrix), and a skipped or
 # repeated batch moves the loss by more than 1e-2 here.
 LOSS_REL_TOL = 1e-5
-
-
-def _launch(spec_path: Path, procs: int,
-            on_event: Callable[[Event, subprocess.Popen[str]], None] | None = None) -> tuple[int, list[Event], str]:
-    """tests.trainer_support.launch with the number of processes chosen (it always starts two)."""
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs),
-            "--master_port", str(free_port()), "--module", "trainer", "--spec", str(spec_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir())}
-    events: list[Event] = []
-    lines: list[str] = []
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-        watchdog = threading.Timer(LAUNCH_TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        watchdog.start()
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                event = parse_event(line)
-                if event is not None:
-                    events.append(event)
-                    if on_event is not None:
-                        on_event(event, proc)
-            proc.wait(timeout=60)
-        finally:
-            watchdog.cancel()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        err.seek(0)
-        tail = "".join(lines)[-4000:] + err.read()[-4000:]
-    return proc.returncode, events, tail
 
 
 def _stop_after_checkpoint(step: int) -> Callable[[Event, subprocess.Popen[str]], None]:
@@ -115,7 +75,7 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     job = make_job(tiny_model, train, hyperparameters={"max_steps": STEPS, "warmup_steps": 2},
                    deepspeed={"zero_stage": stage, "precision": "fp32"},
                    checkpointing={"every_steps": EVERY, "keep_last": 2})
-    rc, reference, tail = _launch(_spec(tmp, job, tmp / "reference", 2, 1), 2)
+    rc, reference, tail = launch(_spec(tmp, job, tmp / "reference", 2, 1), procs=2)
     assert rc == 0, tail
     (tmp / "events-reference.json").write_text(json.dumps(reference))
 
@@ -123,7 +83,7 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     runs: list[tuple[int, list[Event]]] = []
     for attempt, (procs, stop_at) in enumerate([(2, EVERY), (1, 2 * EVERY), (2, None)], start=1):
         on_event = _stop_after_checkpoint(stop_at) if stop_at else None
-        rc, events, tail = _launch(_spec(tmp, job, job_dir, procs, attempt), procs, on_event)
+        rc, events, tail = launch(_spec(tmp, job, job_dir, procs, attempt), procs=procs, on_event=on_event)
         assert not of(events, "error"), tail
         assert (rc == 0) == (stop_at is None), tail
         runs.append((procs, events))

@@ -11,11 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +22,11 @@ from safetensors.torch import load_file
 pytest.register_assert_rewrite("tests.trainer_support")
 
 from tests.trainer_support import (  # noqa: E402
-    LAUNCH_TIMEOUT,
-    REPO,
     Event,
     assert_loads_and_generates,
-    free_port,
+    launch,
     make_job,
     of,
-    ops_dir,
-    parse_event,
     write_run_spec,
 )
 
@@ -48,26 +39,6 @@ STEPS = 4
 # the gap is about 1e-7 relative over 4 Adam steps; 1e-5 leaves room for other CPUs' kernels while any real
 # difference (a wrong mask, a lost position id, a mis-scaled loss) moves the loss by 1e-3 or more.
 LOSS_RTOL = 1e-5
-
-
-def _launch(spec_path: Path, ranks: int) -> tuple[int, list[Event], str]:
-    """Like trainer_support.launch, for any number of ranks."""
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-            "--master_port", str(free_port()), "--module", "trainer", "--spec", str(spec_path)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir())}
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        watchdog = threading.Timer(LAUNCH_TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        watchdog.start()
-        try:
-            proc.wait()
-        finally:
-            watchdog.cancel()
-        out.seek(0)
-        text = out.read()
-    events = [e for e in map(parse_event, text.splitlines()) if e is not None]
-    return proc.returncode, events, text[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +63,7 @@ def _job(model: Path, train: Path, ranks: int, stages: int, **overrides: Any) ->
 
 def _run(tmp: Path, job: dict[str, Any], name: str, ranks: int, job_dir: Path | None = None) -> list[Event]:
     spec = write_run_spec(tmp, job, job_dir=job_dir or tmp / name)
-    rc, events, tail = _launch(spec, ranks)
+    rc, events, tail = launch(spec, procs=ranks)
     assert rc == 0, tail
     assert not of(events, "error"), tail
     return events

@@ -114,14 +114,15 @@ def ops_dir() -> Path:
     return extensions_dir(WorkerSettings())
 
 
-def launch(spec_path: Path, *,
+def launch(spec_path: Path, *, procs: int = 2,
            on_event: Callable[[Event, subprocess.Popen[str]], None] | None = None) -> tuple[int, list[Event], str]:
-    """Run the trainer under the real launcher; returns (exit code, events, tail of stdout + stderr).
+    """Run the trainer under the real launcher on `procs` CPU processes; returns (exit code, events, tail of
+    stdout + stderr).
 
     The launcher gets its own session so `on_event` can signal it and every rank at once (`os.killpg`), as a
     supervisor must: the single-node runner does not forward SIGTERM to the ranks.
     """
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(procs),
             "--master_port", str(free_port()), "--module", "trainer", "--spec", str(spec_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir())}
     events: list[Event] = []
