@@ -126,7 +126,8 @@ class Feed:
             delay = RETRY_FIRST_SECONDS
             if got < BATCH:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), NOTIFIED_POLL_SECONDS if pg.listening() else POLL_SECONDS)
+                    wait = NOTIFIED_POLL_SECONDS if pg.listening(CHANNEL) else POLL_SECONDS
+                    await asyncio.wait_for(self._wake.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
 

@@ -48,7 +48,7 @@ class JobCache:
             # Lazily, from the first request: pg.subscribe needs the running event loop.
             self.subscribed = True
             pg.subscribe(CHANNEL, self.forget, on_connect=self.forget)
-        if not pg.listening():
+        if not pg.listening(CHANNEL):
             self.entries.clear()
             return _visible(await read(job_id), owner)
         now = time.monotonic()
@@ -58,7 +58,7 @@ class JobCache:
             return hit[2] if owner is None or owner == hit[1] else None
         generation = self.generation
         found = await read(job_id)
-        if found is not None and generation == self.generation and pg.listening():
+        if found is not None and generation == self.generation and pg.listening(CHANNEL):
             self.entries[job_id] = (now, found[0], found[1])
             self.entries.move_to_end(job_id)
             while len(self.entries) > self.size:

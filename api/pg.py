@@ -107,8 +107,11 @@ class Listener:
 
     def __init__(self) -> None:
         self.callbacks: dict[str, list[Callable[[str], None]]] = {}
-        self.on_connect: list[Callable[[], None]] = []
+        self.on_connect: dict[str, list[Callable[[], None]]] = {}
         self.connected = False
+        # The channels LISTENed on the current connection. A channel subscribed while connected is heard only
+        # once its LISTEN has run: until then `listening(channel)` is False, so nobody trusts it meanwhile.
+        self.active: set[str] = set()
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -118,10 +121,11 @@ class Listener:
         new_channel = channel not in self.callbacks
         self.callbacks.setdefault(channel, []).append(callback)
         if on_connect is not None:
-            self.on_connect.append(on_connect)
+            self.on_connect.setdefault(channel, []).append(on_connect)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="pg listener")
         elif new_channel and self._conn is not None and not self._conn.is_closed():
+            # A connection being opened picks the channel up itself (_run listens until none is left).
             asyncio.get_running_loop().create_task(self._listen(self._conn, channel))
 
     def _deliver(self, _conn: object, _pid: int, channel: str, payload: str) -> None:
@@ -132,7 +136,17 @@ class Listener:
                 log.exception("a %s notification handler failed", channel)
 
     async def _listen(self, conn: asyncpg.Connection, channel: str) -> None:
+        if channel in self.active and conn is self._conn:
+            return
         await conn.add_listener(channel, self._deliver)
+        if conn is self._conn and not conn.is_closed():
+            self._heard(channel)
+
+    def _heard(self, channel: str) -> None:
+        # From now on every change on the channel is notified; what changed before was notified to no one.
+        self.active.add(channel)
+        for callback in list(self.on_connect.get(channel, ())):
+            callback()
 
     async def _run(self) -> None:
         delay = 0.5
@@ -149,11 +163,15 @@ class Listener:
             lost = asyncio.Event()
             conn.add_termination_listener(lambda _c, lost=lost: lost.set())
             try:
-                for channel in list(self.callbacks):
-                    await self._listen(conn, channel)
+                listened: set[str] = set()
+                # Again until none is left: a channel may be subscribed while the others' LISTENs run.
+                while pending := [c for c in self.callbacks if c not in listened]:
+                    for channel in pending:
+                        await conn.add_listener(channel, self._deliver)
+                        listened.add(channel)
                 self._conn, self.connected, delay = conn, True, 0.5
-                for callback in list(self.on_connect):
-                    callback()
+                for channel in listened:
+                    self._heard(channel)
                 while not lost.is_set():
                     try:
                         await asyncio.wait_for(lost.wait(), LISTEN_PING_SECONDS)
@@ -165,6 +183,7 @@ class Listener:
                 log.warning("the LISTEN connection failed (%s); reconnecting", type(exc).__name__)
             finally:
                 self._conn, self.connected = None, False
+                self.active.clear()
                 conn.terminate()
 
     async def stop(self) -> None:
@@ -185,5 +204,6 @@ def subscribe(channel: str, callback: Callable[[str], None], on_connect: Callabl
     _listener.subscribe(channel, callback, on_connect)
 
 
-def listening() -> bool:
-    return _listener.connected
+def listening(channel: str | None = None) -> bool:
+    """Whether notifications flow: on the connection at all, or (given a channel) on that channel."""
+    return _listener.connected and (channel is None or channel in _listener.active)

@@ -4,9 +4,11 @@ seen at once by every process, and so is one made while the processes' LISTEN co
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import asyncpg
 import httpx
 import psycopg
 
@@ -52,3 +54,51 @@ def test_a_cached_job_changes_as_soon_as_its_row_does(api: httpx.Client, make_jo
     _seen_everywhere(api, job["id"], "while cut off", timeout=2.0)
     assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202
     assert api.get(f"/jobs/{job['id']}").json()["status"] == "cancelled"
+
+
+def test_a_channel_subscribed_on_a_live_connection_is_trusted_only_once_it_is_listened_to(
+        stack_env: dict[str, str], monkeypatch: Any) -> None:
+    """The listener is already up for one channel when a cache subscribes another (the first request after
+    start-up does that). Until that channel's LISTEN has run, a change on it is notified to no one, so
+    `listening(channel)` must say False meanwhile, and the channel's on_connect must run once it is heard
+    (a cache drops what it read before). Once heard, every change is delivered."""
+    from api import pg
+    from api.settings import get_settings
+
+    monkeypatch.setenv("FT_DATABASE_URL", stack_env["FT_DATABASE_URL"])
+    get_settings.cache_clear()
+
+    async def scenario() -> None:
+        listener = pg.Listener()
+        got: list[str] = []
+        heard: list[str] = []
+        listener.subscribe("ft_test_first", got.append)
+        for _ in range(500):
+            if listener.connected:
+                break
+            await asyncio.sleep(0.01)
+        assert listener.connected and listener.active == {"ft_test_first"}
+        listener.subscribe("ft_test_second", got.append, on_connect=lambda: heard.append("second"))
+        # Connected, but the new channel's LISTEN has not run yet: not to be trusted.
+        assert "ft_test_second" not in listener.active and heard == []
+        for _ in range(500):
+            if "ft_test_second" in listener.active:
+                break
+            await asyncio.sleep(0.01)
+        assert heard == ["second"]
+        conn = await asyncpg.connect(pg.dsn(stack_env["FT_DATABASE_URL"]))
+        try:
+            await conn.execute("SELECT pg_notify('ft_test_second', 'after')")
+        finally:
+            await conn.close()
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == ["after"]
+        await listener.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        get_settings.cache_clear()
