@@ -139,8 +139,6 @@ class Listener:
                 log.exception("a %s notification handler failed", channel)
 
     async def _listen(self, conn: asyncpg.Connection, channel: str) -> None:
-        if channel in self.active and conn is self._conn:
-            return
         await conn.add_listener(channel, self._deliver)
         if conn is self._conn and not conn.is_closed():
             self._heard(channel)

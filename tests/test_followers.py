@@ -88,11 +88,16 @@ def _insert_event(database_url: str, job_id: str, note: str) -> int:
     return int(seq)
 
 
-def _listen_backends(database_url: str, terminate: bool = False) -> int:
+def listen_backend_pids(database_url: str, terminate: bool = False) -> list[int]:
+    """The pids of the API processes' LISTEN connections' backends (terminated, if asked)."""
     with psycopg.connect(database_url.replace("+psycopg", ""), autocommit=True) as conn:
-        fn = "pg_terminate_backend(pid)" if terminate else "1"
-        return len(conn.execute(f"SELECT {fn} FROM pg_stat_activity WHERE datname = current_database() "
-                                "AND application_name = 'ft-api-listen'").fetchall())
+        fn = ", pg_terminate_backend(pid)" if terminate else ""
+        return [r[0] for r in conn.execute(f"SELECT pid{fn} FROM pg_stat_activity WHERE datname = current_database() "
+                                           "AND application_name = 'ft-api-listen'").fetchall()]
+
+
+def _listen_backends(database_url: str, terminate: bool = False) -> int:
+    return len(listen_backend_pids(database_url, terminate))
 
 
 def test_followers_are_woken_by_notifications_and_poll_while_the_listener_is_cut_off(

@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,7 @@ import asyncpg
 import httpx
 import psycopg
 
-from tests.test_followers import _listen_backends
+from tests.test_followers import _listen_backends, listen_backend_pids
 
 
 def _set_metadata(database_url: str, job_id: str, value: str) -> None:
@@ -65,9 +66,7 @@ def test_a_read_waits_for_notifications_held_up_on_the_way(api: httpx.Client, ma
     row: it waits for its round trip on the listening connection, which is answered after the notifications."""
     db = stack_env["FT_DATABASE_URL"]
     job = api.post("/jobs", json=make_job(name="held", resources={"queue": "nobody-serves-this"})).json()
-    with psycopg.connect(db.replace("+psycopg", ""), autocommit=True) as conn:
-        pids = [r[0] for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                                           "AND application_name = 'ft-api-listen'").fetchall()]
+    pids = listen_backend_pids(db)
     assert pids, "no listening backend"
     for round_ in range(3):
         for _ in range(20):
@@ -89,6 +88,13 @@ def test_a_read_waits_for_notifications_held_up_on_the_way(api: httpx.Client, ma
         assert marks == [f"held {round_}"] * 4, marks
 
 
+async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Return once `predicate()` holds, or after `timeout` (the caller's assertion then says what failed)."""
+    end = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+
+
 def test_a_channel_subscribed_on_a_live_connection_is_trusted_only_once_it_is_listened_to(
         stack_env: dict[str, str], monkeypatch: Any) -> None:
     """The listener is already up for one channel when a cache subscribes another (the first request after
@@ -106,28 +112,19 @@ def test_a_channel_subscribed_on_a_live_connection_is_trusted_only_once_it_is_li
         got: list[str] = []
         heard: list[str] = []
         listener.subscribe("ft_test_first", got.append)
-        for _ in range(500):
-            if listener.connected:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: listener.connected)
         assert listener.connected and listener.active == {"ft_test_first"}
         listener.subscribe("ft_test_second", got.append, on_connect=lambda: heard.append("second"))
         # Connected, but the new channel's LISTEN has not run yet: not to be trusted.
         assert "ft_test_second" not in listener.active and heard == []
-        for _ in range(500):
-            if "ft_test_second" in listener.active:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: "ft_test_second" in listener.active)
         assert heard == ["second"]
         conn = await asyncpg.connect(pg.dsn(stack_env["FT_DATABASE_URL"]))
         try:
             await conn.execute("SELECT pg_notify('ft_test_second', 'after')")
         finally:
             await conn.close()
-        for _ in range(500):
-            if got:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: bool(got))
         assert got == ["after"]
         await listener.stop()
 

@@ -78,8 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: str, four_layer_model
     tmp = tmp_path_factory.mktemp("pipeline")
     train = tmp / "train.txt"
     train.write_text(corpus)
-    out: dict[str, Any] = {"tmp": tmp, "lr": _job(four_layer_model, train, 2, 1)["hyperparameters"]["learning_rate"]}
-    out["plain"] = _run(tmp, _job(four_layer_model, train, 2, 1), "plain", 2)
+    plain = _job(four_layer_model, train, 2, 1)
+    out: dict[str, Any] = {"tmp": tmp, "lr": plain["hyperparameters"]["learning_rate"]}
+    out["plain"] = _run(tmp, plain, "plain", 2)
     out["p2"] = _run(tmp, _job(four_layer_model, train, 2, 2), "p2", 2)
     # Resume: a fresh job directory holding only the P = 2 run's committed step-2 checkpoint.
     resumed_dir = tmp / "p2-resumed"
