@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import ValidationError
 
-from api import errors, pg
+from api import errors, heap, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
 from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
@@ -65,6 +65,8 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     if not settings.development:
         await require_admin_key(settings)
     purge = asyncio.get_running_loop().create_task(idempotency.purge_forever(settings), name="idempotency purge")
+    heap.PauseMeter().install()
+    heap.settle()  # last: what start-up built is frozen, out of every later collection's walk
     yield
     purge.cancel()
     with suppress(asyncio.CancelledError):

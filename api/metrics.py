@@ -75,6 +75,8 @@ REQUESTS = Counter("ft_api_requests_total", "HTTP requests answered, per route t
 LATENCY = Histogram("ft_api_request_duration_seconds", "Time to answer a request (a stream: until it ended)",
                     ["method", "route"],
                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+GC_PAUSE = Histogram("ft_api_gc_pause_seconds", "Garbage-collection pauses of the API processes, by generation",
+                     ["generation"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
 
 JOBS_BY_STATE = "SELECT status, queue, count(*) FROM jobs GROUP BY status, queue"
 OLDEST_QUEUED = ("SELECT queue, extract(epoch FROM now() - min(created_at))::float8 FROM jobs WHERE status = 'queued' "

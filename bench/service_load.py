@@ -1,9 +1,10 @@
 """The service under load: the figures of "The control plane at dashboard scale".
 
-`python -m bench.service_load [--quick] [--out FILE] [--tool auto|wrk|python]` starts the stack as `make up`
-does (API, control plane, one Celery worker) on a fresh database of its own, a Redis database number of its
-own and model/data/artifacts roots in a temporary folder (the tiny model and corpus built as the tests build
-them), loads it from this machine, prints one JSON line per figure and removes everything it made.
+`python -m bench.service_load [--quick] [--out FILE] [--tool auto|wrk|python] [--only get post list sse]`
+starts the stack as `make up` does (API, control plane, one Celery worker) on a fresh database of its own, a
+Redis database number of its own and model/data/artifacts roots in a temporary folder (the tiny model and
+corpus built as the tests build them), loads it from this machine, prints one JSON line per figure and
+removes everything it made.
 It prints figures and never judges them: each line carries its target for the reader.
 
 1. `GET /jobs/{id}` at 16 and 64 concurrent clients: req/s, p50, p99.
@@ -946,7 +947,10 @@ def emit_follow(figures: Figures, n: int, run: FollowRun, plan: Plan, baseline: 
 
 # ------------------------------------------------------------------------------------------ main
 
-def run_all(plan: Plan, figures: Figures, tool: LoadTool) -> None:
+FIGURES = ("get", "post", "list", "sse")
+
+
+def run_all(plan: Plan, figures: Figures, tool: LoadTool, only: tuple[str, ...] = FIGURES) -> None:
     note(f"HTTP load tool: {tool.wrk or 'python-asyncio (wrk not on PATH)'}")
     with service() as svc:
         with httpx.Client(base_url=svc.url, timeout=30, headers=auth_headers()) as api:
@@ -954,14 +958,18 @@ def run_all(plan: Plan, figures: Figures, tool: LoadTool) -> None:
             if created.status_code != 201:
                 raise RuntimeError(f"the demo job was refused: {created.status_code} {created.text}")
             template = created.json()["id"]
-        note("figure 1: GET /jobs/{id}")
-        figure_get(svc, tool, plan, figures, template)
-        note("figure 2: POST /jobs")
-        figure_post(svc, tool, plan, figures)
-        note("figure 3: GET /jobs over 100k jobs")
-        figure_list(svc, tool, plan, figures, template)
-        note("figure 4: SSE followers")
-        asyncio.run(figure_sse(svc, plan, figures))
+        if "get" in only:
+            note("figure 1: GET /jobs/{id}")
+            figure_get(svc, tool, plan, figures, template)
+        if "post" in only:
+            note("figure 2: POST /jobs")
+            figure_post(svc, tool, plan, figures)
+        if "list" in only:
+            note("figure 3: GET /jobs over 100k jobs")
+            figure_list(svc, tool, plan, figures, template)
+        if "sse" in only:
+            note("figure 4: SSE followers")
+            asyncio.run(figure_sse(svc, plan, figures))
 
 
 def main() -> int:
@@ -970,6 +978,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="also write the JSON lines to this file")
     p.add_argument("--tool", choices=("auto", "wrk", "python"), default="auto",
                    help="HTTP load generator: wrk if on PATH (auto), or the asyncio client")
+    p.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES),
+                   help="run only these figures (all by default)")
     a = p.parse_args()
     # SIGTERM ends the run like Ctrl-C: the stack is stopped and the database dropped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -977,7 +987,7 @@ def main() -> int:
     if limit < 1100:
         note(f"open-file limit is {limit}: 1,000 followers will see socket errors")
     t0 = time.monotonic()
-    run_all(Plan.of(a.quick), Figures(a.out), LoadTool(a.tool))
+    run_all(Plan.of(a.quick), Figures(a.out), LoadTool(a.tool), tuple(a.only))
     note(f"done in {time.monotonic() - t0:.0f} s")
     return 0
 

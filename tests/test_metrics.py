@@ -48,6 +48,15 @@ def test_api_requests_per_route_template_summed_over_processes(stack: Any, api: 
     assert sample(scrape(url), "ft_api_requests_total", method="GET", route="unrouted", status="401") >= 1
 
 
+def test_api_garbage_collection_pauses_are_measured(stack: Any) -> None:
+    url = stack.api_url + "/metrics"
+    # Each scrape builds the whole exposition (thousands of objects): young collections happen meanwhile.
+    seen = wait_for(lambda: (s := scrape(url)) and sample(s, "ft_api_gc_pause_seconds_count", generation="0") > 0
+                    and s, 30, "a young collection's pause in the API's metrics", interval=0.2)
+    assert sample(seen, "ft_api_gc_pause_seconds_sum", generation="0") > 0
+    assert ("ft_api_gc_pause_seconds_count", (("generation", "2"),)) in seen  # the series exists before any pause
+
+
 def test_jobs_by_state_and_queue_from_postgres(stack: Any, api: httpx.Client, make_job: Any) -> None:
     queue = "parked-" + uuid.uuid4().hex[:8]
     ids = [api.post("/jobs", json=make_job(resources={"queue": queue})).json()["id"] for _ in range(3)]
