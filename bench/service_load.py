@@ -860,13 +860,15 @@ def follow_figures(run: FollowRun) -> dict[str, Any]:
     delays: list[float] = []
     connecting: list[float] = []
     start, end = run.window
+    per_event: dict[int, list[float]] = {}  # event id -> each follower's delay: upstream vs fan-out
     for f in run.followers:
         events = [(t, *parse_block(b)) for t, b in f.blocks]
         got = [i for _, i, _ in events if i <= last]
         complete += int(f.status == 200 and got == expected)
-        for t, _, created in events:
+        for t, event_id, created in events:
             if start <= created <= end:
                 delays.append(t - created)
+                per_event.setdefault(event_id, []).append(t - created)
             elif f.connected_at and f.connected_at <= created < start:
                 # Live for this follower, though others were still connecting.
                 connecting.append(t - created)
@@ -881,6 +883,12 @@ def follow_figures(run: FollowRun) -> dict[str, Any]:
         "error_kinds": dict(Counter(f.error for f in run.followers if f.error)),
         "events_expected": len(expected),
         "delay_p50": percentile(delays, 50), "delay_p99": percentile(delays, 99), "delay_samples": len(delays),
+        # Per event: when its first follower had it (the path up to the fan-out: ingest, notify, the feed's
+        # read) and when its last one did (plus writing it to every follower and this client reading them all).
+        "first_follower_delay_max_ms": ms(max((min(d) for d in per_event.values()), default=None)),
+        "first_follower_delay_p50_ms": ms(percentile([min(d) for d in per_event.values()], 50)),
+        "last_follower_delay_max_ms": ms(max((max(d) for d in per_event.values()), default=None)),
+        "last_follower_delay_p50_ms": ms(percentile([max(d) for d in per_event.values()], 50)),
         "connecting_delay_p50_ms": ms(percentile(connecting, 50)),
         "connecting_delay_p99_ms": ms(percentile(connecting, 99)), "connecting_delay_samples": len(connecting),
     }
@@ -936,6 +944,8 @@ def emit_follow(figures: Figures, n: int, run: FollowRun, plan: Plan, baseline: 
                  never_answered=f["never_answered"], ended_early=f["ended_early"], **common)
     target = "< 250" if n == 1000 else "-"
     delay = {"samples": f["delay_samples"], "connecting_delay_p50_ms": f["connecting_delay_p50_ms"],
+             **{k: f[k] for k in ("first_follower_delay_p50_ms", "first_follower_delay_max_ms",
+                                  "last_follower_delay_p50_ms", "last_follower_delay_max_ms")},
              "connecting_delay_p99_ms": f["connecting_delay_p99_ms"],
              "connecting_delay_samples": f["connecting_delay_samples"]}
     figures.emit(f"sse{n}_delay_p50", ms(f["delay_p50"]), "ms", "-", **delay, **common)

@@ -70,6 +70,9 @@ def ensure_dev_key(path: Path = DEV_KEY) -> str:
 class Stack:
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         self.env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        # Every process of this stack shares one host: the ranks take only CPU time the API, the control plane
+        # and the worker's lease renewals leave (worker/priority.py), unless the operator chose otherwise.
+        self.env.setdefault("FT_TRAINER_PRIORITY", "idle")
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,10 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str
         "FT_QUOTA_MAX_ACTIVE_JOBS": "",
         # tests/test_webhooks.py's receivers listen on loopback, which the SSRF rules refuse unless allowed.
         "FT_WEBHOOK_ALLOW_NETS": "127.0.0.1/32",
+        # The suite also runs trainers outside any worker (tests/test_trainer*.py), at normal priority, beside
+        # the stack's jobs on two cores: jobs in SCHED_IDLE would wait out each of those runs. The priorities
+        # themselves are tested in tests/test_priority.py and tests/test_chaos.py.
+        "FT_TRAINER_PRIORITY": "normal",
     }
 
 

@@ -145,13 +145,22 @@ def test_a_worker_stopped_for_a_deploy_checkpoints_and_its_job_resumes_elsewhere
     assert not job_processes(job["id"])
 
 
-def test_a_rank_killed_by_a_signal_fails_the_job_as_killed_naming_the_rank(api: httpx.Client,
-                                                                           make_job: Any) -> None:
-    job = api.post("/jobs", json=make_job(name="rank-kill", hyperparameters={"max_steps": 100_000})).json()
+def test_a_rank_killed_by_a_signal_fails_the_job_as_killed_naming_the_rank(api: httpx.Client, make_job: Any,
+                                                                           workers: StartWorker) -> None:
+    # A worker of the default priority, low (the suite's stack runs its ranks at normal, tests/conftest.py).
+    q = queue("rank-kill")
+    workers("rank-kill", q, {"FT_TRAINER_PRIORITY": "low"})
+    job = api.post("/jobs", json=make_job(name="rank-kill", hyperparameters={"max_steps": 100_000},
+                                          resources={"queue": q})).json()
     a1 = running_attempt(api, job["id"])
     wait_for(lambda: events_of(api, job["id"], ["progress"]), 240, "the first progress event")
     pids = rank_pids(job["id"], a1)
     assert sorted(pids) == [0, 1], pids
+    # The ranks run nicer than the guard that watches the lease (worker/priority.py).
+    guards = [int(line.split(":", 1)[0]) for line in job_processes(f"{job['id']}/attempts/{a1}/")
+              if "-m worker.guard" in line]
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids.values()] == [10, 10]
+    assert guards and [os.getpriority(os.PRIO_PROCESS, pid) for pid in guards] == [0] * len(guards)
     os.kill(pids[1], signal.SIGKILL)  # as the kernel's out-of-memory killer does
     final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=60)
     error = final["error"]

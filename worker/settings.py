@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from worker.priority import Priority
+
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore")
@@ -23,6 +25,9 @@ class WorkerSettings(BaseSettings):
     log_tail_lines: int = 40
     # DeepSpeed builds its C++/CUDA ops on first use; they are cached here, one folder per installation.
     extensions_dir: str = "~/.cache/finetune/torch_extensions"
+    # How much of the node's CPU the launcher and ranks may take from the worker, its guards and whatever else
+    # runs there (worker/priority.py): normal, low (nice 10) or idle (SCHED_IDLE; scripts.stack's default).
+    trainer_priority: Priority = "low"
 
     @property
     def broker(self) -> str:

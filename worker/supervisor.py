@@ -39,6 +39,7 @@ from trainer.names import (
 from trainer.spec import NodeShare, RunSpec
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
+from worker.priority import Priority, command
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
@@ -118,8 +119,11 @@ class Running:
 RUNNING = Running()
 
 
-def spawn(argv: list[str], *, env: dict[str, str], cwd: Path, guard: list[str]) -> subprocess.Popen[bytes]:
-    """Start argv under the guard in a new session: its process group is the job's, to kill at once."""
+def spawn(argv: list[str], *, env: dict[str, str], cwd: Path, guard: list[str],
+          priority: Priority = "normal") -> subprocess.Popen[bytes]:
+    """Start argv under the guard in a new session: its process group is the job's, to kill at once. argv runs
+    at `priority` (worker/priority.py); the guard, which watches the lease, at the worker's own."""
+    argv = command(argv, priority)
     # The worker's pid is named, not taken from getppid() once the guard runs: a worker that died while the
     # guard was still importing would leave it with init for a parent and nothing to compare against.
     guarded = [sys.executable, "-m", "worker.guard", "--worker-pid", str(os.getpid()), *guard, "--", *argv]
@@ -343,7 +347,7 @@ class Attempt:
         # The growth of the worker's children's CPU time: this job's alone on a node running one job at a time;
         # with several jobs at once it also counts the others' children that ended meanwhile (an upper bound).
         before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-        proc = spawn(argv, env=env, cwd=self.job_dir, guard=self.guard_args())
+        proc = spawn(argv, env=env, cwd=self.job_dir, guard=self.guard_args(), priority=s.trainer_priority)
         pgid = proc.pid
         reader = LineReader(proc.stdout)  # type: ignore[arg-type]
         reader.start()
