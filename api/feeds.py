@@ -33,6 +33,12 @@ CHANNEL = "ft_events"
 BATCH = 500
 BUFFER = 4096  # events kept per job; an older cursor is served from the database
 KEEPALIVE_SECONDS = 15.0
+# A feed wakes its waiting followers at least this often, so each can send its keep-alive on time.
+TICK_SECONDS = 5.0
+# Followers woken per event-loop turn. An event wakes every follower of the job in this process; woken all at
+# once they would run ahead of any request that arrived meanwhile (/healthz, GET /jobs/{id}), which would wait
+# for the whole fan-out. In batches, a request waits for one batch.
+WAKE_BATCH = 64
 IDLE_SECONDS = 5.0  # a feed without followers stops after this
 # While Postgres is unreachable, readers wait and retry, backing off up to RETRY_MAX_SECONDS, for as long
 # as the follower stays: a cleanly ended stream would tell it the job has ended.
@@ -65,7 +71,8 @@ class Feed:
         self.last_seq: int | None = None  # the newest sequence number read; None until the first read
         self.ended = False  # the job had ended before the last read, which found nothing new
         self.followers = 0
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []  # one per waiting follower: no task or timer each
+        self._ticked = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -87,20 +94,29 @@ class Feed:
         start = after + 1 - self.buffer[0].seq  # sequence numbers are gap-free per job
         return list(self.buffer)[start:] if start > 0 else list(self.buffer)
 
-    async def changed(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+    async def changed(self) -> None:
+        """Until the feed has read new events or seen the job end, or TICK_SECONDS have passed."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
 
-    def _announce(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+    async def _announce(self) -> None:
+        # Taken in one step, after the buffer was updated: a follower that starts waiting from here on looked
+        # at the new buffer first, and waits for the next announcement.
+        waiters, self._waiters = self._waiters, []
+        self._ticked = time.monotonic()
+        for i, waiter in enumerate(waiters, 1):
+            if not waiter.done():  # done: its follower was cancelled (the client left) while it waited
+                waiter.set_result(None)
+            if i % WAKE_BATCH == 0:
+                await asyncio.sleep(0)  # this batch runs, and whatever request came in, before the next
 
     async def _run(self) -> None:
         delay = RETRY_FIRST_SECONDS
         idle_since: float | None = None
         while True:
+            if self._waiters and time.monotonic() - self._ticked >= TICK_SECONDS:
+                await self._announce()  # nothing new: the followers look at their keep-alive
             if self.followers == 0:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > IDLE_SECONDS:
@@ -148,7 +164,7 @@ class Feed:
         ended = (status is None or status in TERMINAL) and not rows
         if rows or first_read or ended != self.ended:
             self.ended = ended
-            self._announce()
+            await self._announce()
         return len(rows)
 
 
@@ -226,7 +242,7 @@ async def follow(job_id: str, after: int, types: list[str] | None,
                 yield ": keep-alive\n\n"  # an SSE comment: keeps proxies from closing an idle stream
                 last_sent = time.monotonic()
             # Nothing awaited since since() looked, so no announcement can have been missed.
-            await feed.changed(KEEPALIVE_SECONDS)
+            await feed.changed()
     finally:
         feed.followers -= 1
 

@@ -144,3 +144,33 @@ def test_followers_are_woken_by_notifications_and_poll_while_the_listener_is_cut
     delays = asyncio.run(scenario())
     assert max(delays) < 1.0, [round(d, 3) for d in delays]
     assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202
+
+
+def test_an_idle_stream_gets_a_keep_alive_then_the_next_event(api: httpx.Client, make_job: Any, stack: Any,
+                                                              stack_env: dict[str, str]) -> None:
+    """A follower of a job with nothing new gets an SSE comment every ~15 s (so proxies keep the stream), woken
+    by its feed's tick rather than a timer of its own, and still gets the next event at once."""
+    url = urlparse(stack.api_url)
+    job = api.post("/jobs", json=make_job(name="quiet", resources={"queue": "parked-keepalive"})).json()
+
+    async def read_until(reader: asyncio.StreamReader, marker: bytes, seconds: float) -> float:
+        buf, start = b"", time.monotonic()
+        while marker not in buf:
+            buf += await asyncio.wait_for(reader.read(4096), start + seconds - time.monotonic())
+        return time.monotonic() - start
+
+    async def quiet_stream() -> tuple[float, float]:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.write(f"GET /jobs/{job['id']}/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n"
+                     .encode())
+        await read_until(reader, b"id: 1\n", 10)  # the first event (queued), then nothing
+        kept = await read_until(reader, b": keep-alive\n\n", 40)
+        seq = await asyncio.to_thread(_insert_event, stack_env["FT_DATABASE_URL"], job["id"], "after the quiet")
+        woke = await read_until(reader, f"id: {seq}\n".encode(), 10)
+        writer.close()
+        return kept, woke
+
+    kept, woke = asyncio.run(quiet_stream())
+    assert 14 <= kept <= 40, kept  # KEEPALIVE_SECONDS (15) after the last write, plus at most a tick or two
+    assert woke < 5, woke
+    api.post(f"/jobs/{job['id']}/cancel")
