@@ -174,3 +174,37 @@ def test_an_idle_stream_gets_a_keep_alive_then_the_next_event(api: httpx.Client,
     assert 14 <= kept <= 40, kept  # KEEPALIVE_SECONDS (15) after the last write, plus at most a tick or two
     assert woke < 5, woke
     api.post(f"/jobs/{job['id']}/cancel")
+
+
+def test_a_fan_out_lets_other_work_run_between_batches() -> None:
+    """An event's fan-out wakes followers WAKE_BATCH per event-loop turn: work that became ready meanwhile (a
+    request to another route) runs after one batch, not after every follower; a follower that left while it
+    waited is skipped; every other follower is woken."""
+    from api import feeds
+
+    async def scenario() -> tuple[int, list[int]]:
+        feed = feeds.Feed("job_fanout")
+        woken: list[int] = []
+
+        async def follower(i: int) -> None:
+            await feed.changed()
+            woken.append(i)
+
+        tasks = [asyncio.create_task(follower(i)) for i in range(5 * feeds.WAKE_BATCH)]
+        await asyncio.sleep(0)  # every follower is waiting
+        tasks[3].cancel()  # its client left
+        await asyncio.sleep(0)
+        seen_by_request: list[int] = []
+
+        async def request() -> None:
+            await asyncio.sleep(0)  # ready while the fan-out runs, as a request read off a socket would be
+            seen_by_request.append(len(woken))
+
+        announce = asyncio.create_task(feed._announce())
+        other = asyncio.create_task(request())
+        await asyncio.gather(announce, other, *tasks, return_exceptions=True)
+        return seen_by_request[0], woken
+
+    before_request, woken = asyncio.run(scenario())
+    assert before_request <= feeds.WAKE_BATCH, before_request  # woken all at once, it would see 319
+    assert sorted(woken) == [i for i in range(5 * feeds.WAKE_BATCH) if i != 3]
