@@ -184,11 +184,16 @@ class Scheduler:
     def step(self) -> int:
         """One placement pass; returns how many jobs it placed (or took back from a lost node)."""
         announced = read_announcements(self.r)
+        # Placed on only while announcing now. A node whose key expired is not lost yet (the grace covers a blip
+        # of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job, whose
+        # requeue would otherwise go straight back to the frozen node, costing the job an attempt.
+        announcing = {str(a.get("name")) for a in announced}
         with session_scope() as session:
             session.execute(text(LOCK))
             refresh_nodes(session, announced)
             nodes = {row.name: NodeState(row.name, row.kind, row.slots, list(row.devices), list(row.queues),
-                                         row.jobs_max, bool(row.live) and not row.draining, row.addr,
+                                         row.jobs_max, bool(row.live) and not row.draining
+                                         and row.name in announcing, row.addr,
                                          bool(row.gone) or row.draining)
                      for row in session.execute(NODES, {
                          "grace": self.settings.lease_grace_seconds,

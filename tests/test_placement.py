@@ -6,14 +6,17 @@ Each test starts workers of its own (nodes with their own names and queues) on t
 
 from __future__ import annotations
 
+import json
 import signal
+import time
+import uuid
 from typing import Any
 
 import httpx
 import redis
 
 from tests.helpers import events_of, job_processes, wait_for, wait_status
-from trainer.names import gang_stop_key
+from trainer.names import NODES_SET, gang_stop_key, node_key
 
 END = {"succeeded", "failed", "cancelled"}
 
@@ -353,3 +356,25 @@ def test_a_draining_node_takes_no_new_job_while_the_one_on_it_ends_there(
             assert wait_status(api, job_id, END, 30)["status"] == "cancelled"
     finally:
         stack.stop("drain")
+
+
+def test_a_node_that_stopped_announcing_takes_no_new_job_within_its_grace(api: httpx.Client, make_job: Any,
+                                                                          stack_env: dict[str, str]) -> None:
+    """A node whose announcement expired is not lost yet, but receives nothing: a frozen worker's key expires
+    with its job's lease, and the requeued job must not go straight back to it (it would cost an attempt)."""
+    client = redis.Redis.from_url(stack_env["FT_REDIS_URL"])
+    name, q = "ghost-" + uuid.uuid4().hex[:6], "ghostq-" + uuid.uuid4().hex[:6]
+    record = {"name": name, "kind": "cpu", "slots": 2, "devices": ["0", "1"], "queues": [q], "jobs_max": 2,
+              "draining": False, "worker": f"celery@{name}", "addr": "127.0.0.1"}
+    client.set(node_key(name), json.dumps(record), px=60_000)
+    client.sadd(NODES_SET, name)
+    wait_for(lambda: any(n["name"] == name for n in api.get("/nodes").json()["data"]), 10, "the node to be seen")
+    client.delete(node_key(name))  # it stopped announcing, as a frozen worker does
+    stopped = time.monotonic()
+    job = api.post("/jobs", json=make_job(name="ghosted", resources={"queue": q})).json()
+    # Within the grace (2 s here) the node is still "live" by its last_seen; it must not be given the job.
+    while time.monotonic() - stopped < 1.5:
+        assert api.get(f"/jobs/{job['id']}").json()["placement"] is None
+        time.sleep(0.1)
+    api.post(f"/jobs/{job['id']}/cancel")
+    client.srem(NODES_SET, name)
