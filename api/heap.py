@@ -17,15 +17,16 @@ import gc
 import time
 from typing import Any
 
-from api.db import get_engine
+from api.db import _factory
 from api.metrics import GC_PAUSE
 
 
 def settle() -> None:
     """Build what start-up would otherwise leave to the first request, collect once, freeze the rest."""
-    # SQLAlchemy imports the synchronous driver (psycopg, ~17,000 objects) when the engine is made; made here,
-    # it is frozen with the rest instead of being walked by every full collection of the process's life.
-    get_engine()
+    # SQLAlchemy imports the synchronous driver (psycopg, ~17,000 objects) when the engine is made. The sessions'
+    # own factory (and engine) is made here, so it is frozen with the rest instead of being walked by every full
+    # collection of the process's life.
+    _factory()
     gc.collect()
     gc.freeze()
 

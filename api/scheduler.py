@@ -3,7 +3,8 @@
 A pass, run by the dispatcher thread (api/dispatcher.py) before it sends anything:
 
 1. copies the nodes' announcements from Redis (worker/node.py) into the `nodes` table, `last_seen` by the
-   database's clock; a node not seen for `FT_LEASE_GRACE_SECONDS` after its key expired is lost;
+   database's clock; only a node announcing now is placed on (one whose key just expired, as a frozen
+   worker's does with its job's lease, is not lost yet but must not get that job back);
 2. takes back the placements on nodes gone (unseen for a lease TTL beyond the grace) or draining that no
    worker started yet (no lease): such a job goes out again as its next attempt, so the old node, should it
    come back, finds its message stale;
@@ -54,7 +55,6 @@ ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, d
     worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()""")
 NODES = text("""
 SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
-       last_seen >= now() - make_interval(secs => :grace) AS live,
        last_seen < now() - make_interval(secs => :gone) AS gone FROM nodes ORDER BY name""")
 HELD = text(f"""
 SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
@@ -116,7 +116,7 @@ class NodeState:
     devices: list[str]
     queues: list[str]
     jobs_max: int
-    usable: bool  # live and not draining
+    usable: bool  # announcing now and not draining
     addr: str = "127.0.0.1"
     # Unseen for a lease TTL beyond the grace: not a blip of Redis or of this control plane (which stop every
     # node's refresh at once) but a node that is gone. Only then are its unstarted placements taken back.
@@ -149,14 +149,19 @@ def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
     return out
 
 
-def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> None:
+def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]:
+    """Upserts each announcement; returns the names as stored."""
+    names = set()
     for a in announced:
+        name = str(a["name"])[:64]
+        names.add(name)
         session.execute(UPSERT_NODE, {
-            "name": str(a["name"])[:64], "kind": str(a.get("kind", "cpu"))[:32], "slots": int(a["slots"]),
+            "name": name, "kind": str(a.get("kind", "cpu"))[:32], "slots": int(a["slots"]),
             "devices": json.dumps([str(d) for d in a.get("devices", [])]),
             "queues": [str(q)[:64] for q in a.get("queues", [])], "jobs_max": int(a.get("jobs_max", 1)),
             "draining": bool(a.get("draining")), "worker": str(a.get("worker", ""))[:200],
             "addr": str(a.get("addr", "127.0.0.1"))[:200]})
+    return names
 
 
 def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) -> str:
@@ -184,19 +189,16 @@ class Scheduler:
     def step(self) -> int:
         """One placement pass; returns how many jobs it placed (or took back from a lost node)."""
         announced = read_announcements(self.r)
-        # Placed on only while announcing now. A node whose key expired is not lost yet (the grace covers a blip
-        # of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job, whose
-        # requeue would otherwise go straight back to the frozen node, costing the job an attempt.
-        announcing = {str(a.get("name")) for a in announced}
         with session_scope() as session:
             session.execute(text(LOCK))
-            refresh_nodes(session, announced)
+            # Placed on only while announcing now. A node whose key expired is not lost yet (the grace covers a
+            # blip of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job,
+            # whose requeue would otherwise go straight back to the frozen node, costing the job an attempt.
+            announcing = refresh_nodes(session, announced)
             nodes = {row.name: NodeState(row.name, row.kind, row.slots, list(row.devices), list(row.queues),
-                                         row.jobs_max, bool(row.live) and not row.draining
-                                         and row.name in announcing, row.addr,
+                                         row.jobs_max, row.name in announcing and not row.draining, row.addr,
                                          bool(row.gone) or row.draining)
                      for row in session.execute(NODES, {
-                         "grace": self.settings.lease_grace_seconds,
                          "gone": self.settings.lease_grace_seconds + self.settings.lease_ttl_seconds})}
             changed = self._take_back(session, nodes)
             changed += self._place(session, nodes)

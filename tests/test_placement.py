@@ -368,7 +368,7 @@ def test_a_node_that_stopped_announcing_takes_no_new_job_within_its_grace(api: h
               "draining": False, "worker": f"celery@{name}", "addr": "127.0.0.1"}
     client.set(node_key(name), json.dumps(record), px=60_000)
     client.sadd(NODES_SET, name)
-    wait_for(lambda: any(n["name"] == name for n in api.get("/nodes").json()["data"]), 10, "the node to be seen")
+    wait_for(lambda: node(api, name) is not None, 10, "the node to be seen")
     client.delete(node_key(name))  # it stopped announcing, as a frozen worker does
     stopped = time.monotonic()
     job = api.post("/jobs", json=make_job(name="ghosted", resources={"queue": q})).json()
