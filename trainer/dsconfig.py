@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Annotated, Any, Literal
@@ -98,7 +99,7 @@ class Kind:
             if isinstance(v, str) and (not self.choices or v in self.choices):
                 return None
             return "must be one of " + ", ".join(repr(c) for c in self.choices) if self.choices else "must be a string"
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        number = _finite_number(v)
         # DeepSpeed's own schema reads sizes as integers but accepts JSON's 5e8 for them.
         whole = number and (isinstance(v, int) or (self.type == "size" and float(v).is_integer()))
         if self.type == "number" and number and self.lo <= v <= self.hi:
@@ -110,7 +111,13 @@ class Kind:
 
 
 BOOL = Kind("bool")
+# A size DeepSpeed allocates a buffer of (ZeRO's reduce bucket is a torch.empty of reduce_bucket_size elements):
+# beyond the bound the job could only fail at launch.
 SIZE = Kind("size")
+# A size DeepSpeed only compares counts against (a sub-group, a prefetch window, a persistence threshold): a larger
+# one means "no limit", which DeepSpeed itself writes as the int64 maximum (stage3_model_persistence_threshold's
+# default), so anything up to it costs nothing; the bound keeps it an integer torch and C++ can hold.
+HINT = Kind("size", 0, 2**63 - 1)
 DTYPE = Kind("str", choices=("fp16", "bf16", "fp32"))
 PASSTHROUGH_KINDS: dict[str, Kind] = {
     "steps_per_print": Kind("size", 1), "wall_clock_breakdown": BOOL, "prescale_gradients": BOOL,
@@ -122,13 +129,15 @@ PASSTHROUGH_KINDS: dict[str, Kind] = {
 }
 # Keyed by DeepSpeed's canonical names (trainer/deepspeed_fields.json).
 ZERO_KINDS: dict[str, Kind] = {
-    **{k: SIZE for k in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
-                         "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                         "stage3_param_persistence_threshold")},
+    "reduce_bucket_size": SIZE,
+    **{k: HINT for k in ("allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                         "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                         "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+                         "stage3_module_granularity_threshold")},
     "zero_hpz_partition_size": Kind("int", 1, 1024),
 }
 OFFLOAD_KINDS: dict[str, Kind] = {
-    "buffer_count": Kind("int", 1, 1024), "buffer_size": SIZE, "max_in_cpu": SIZE, "ratio": Kind("number", 0, 1),
+    "buffer_count": Kind("int", 1, 1024), "buffer_size": SIZE, "max_in_cpu": HINT, "ratio": Kind("number", 0, 1),
 }
 FP16_KINDS: dict[str, Kind] = {
     "loss_scale": Kind("number", 0, 2**32), "initial_scale_power": Kind("int", 0, 32),
@@ -768,7 +777,13 @@ class _Merger:
 
 
 def _finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A JSON number a 64-bit float holds. JSON integers have no size limit, and math.isfinite or float() raise
+    OverflowError on one beyond the float range: such an integer is compared, never converted."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if isinstance(v, int):
+        return -sys.float_info.max <= v <= sys.float_info.max
+    return math.isfinite(v)
 
 
 def _divisors_desc(n: int) -> list[int]:

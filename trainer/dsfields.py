@@ -11,14 +11,15 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import operator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 TABLE_PATH = Path(__file__).with_name("deepspeed_fields.json")
-# The service's own ceiling on any number in a raw config: DeepSpeed's fields are counts and sizes far below it.
-NUMBER_CEILING = 1e12
+# pydantic reads a JSON float such as 5e8 into an integer field only strictly inside the int64 range.
+FLOAT_AS_INT_LIMIT = 2**63
 
 
 @cache
@@ -110,7 +111,8 @@ def _num(x: float) -> str:
 
 def value_problem(spec: dict[str, Any], v: Any) -> str | None:
     """Why DeepSpeed's model would refuse `v` for this field, or None. Stricter than pydantic's lax mode in one
-    way only: JSON's own types are required (no "true" for true, no "16" for 16)."""
+    way only: JSON's own types are required (no "true" for true, no "16" for 16). Only DeepSpeed's own bounds
+    are checked here; the service's are in trainer/dsconfig.py, where they are reported as the service's."""
     kind = spec["type"]
     if v is None:
         return None if spec.get("nullable") else "must not be null"
@@ -128,20 +130,46 @@ def value_problem(spec: dict[str, Any], v: Any) -> str | None:
             return None
         return "must be one of " + ", ".join(json.dumps(c) for c in choices)
     if kind in ("int", "number"):
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        # DeepSpeed's integer fields take JSON's 5e8; a fraction is refused, as pydantic refuses it.
-        if not number or (kind == "int" and not float(v).is_integer()):
-            return "must be an integer" if kind == "int" else "must be a number"
-        lo, hi = -NUMBER_CEILING, NUMBER_CEILING
-        for bound, ok in (("ge", v >= spec.get("ge", lo)), ("gt", v > spec.get("gt", lo - 1)),
-                          ("le", v <= spec.get("le", hi)), ("lt", v < spec.get("lt", hi + 1))):
-            if not ok:
-                words = {"ge": "at least", "gt": "more than", "le": "at most", "lt": "less than"}
-                return f"must be {words[bound]} {_num(spec[bound])}"
-        if not lo <= v <= hi:
-            return f"must be from {_num(lo)} to {_num(hi)}"
+        problem = _int_problem(v) if kind == "int" else _number_problem(v)
+        if problem:
+            return problem
+        for bound, word in (("ge", "at least"), ("gt", "more than"), ("le", "at most"), ("lt", "less than")):
+            if bound in spec and not _within(bound, v, spec[bound]):
+                return f"must be {word} {_num(spec[bound])}"
         return None
     return None  # "any": DeepSpeed's model takes any value there
+
+
+def _int_problem(v: Any) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "must be an integer"
+    if isinstance(v, int):
+        return None  # pydantic takes a JSON integer of any size
+    # DeepSpeed's integer fields take JSON's 5e8; a fraction is refused, as pydantic refuses it.
+    if not math.isfinite(v) or not v.is_integer():
+        return "must be an integer"
+    if not -FLOAT_AS_INT_LIMIT < v < FLOAT_AS_INT_LIMIT:
+        return (f"must be an integer; written with a decimal point or an exponent it must be below "
+                f"{FLOAT_AS_INT_LIMIT} in magnitude")
+    return None
+
+
+def _number_problem(v: Any) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "must be a number"
+    if isinstance(v, float):
+        return None if math.isfinite(v) else "must be a number"
+    try:
+        float(v)  # pydantic refuses an integer no 64-bit float can hold
+    except OverflowError:
+        return "must be a number within the range of a 64-bit float"
+    return None
+
+
+def _within(bound: str, v: float, limit: float) -> bool:
+    # Python compares an int with a float exactly, so an integer of any size is safe here.
+    compare = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}[bound]
+    return bool(compare(v, limit))
 
 
 def _check_model(section: str, block: Any, where: str, problems: list[str]) -> None:
