@@ -45,7 +45,11 @@ FIGURES = {
     "total_steps": ("ft_job_total_steps", "The running job's total steps"),
     "loss": ("ft_job_loss", "The running job's last training loss"),
     "tokens_per_second": ("ft_job_tokens_per_second", "The running job's training throughput"),
-    "mfu": ("ft_job_mfu", "The running job's model FLOPs utilisation (0-1)"),
+    # What each MFU counts: trainer/flops.py.
+    "mfu": ("ft_job_mfu", "The running job's model FLOPs utilisation (0-1), 6N plus attention over the whole row"),
+    "mfu_6n": ("ft_job_mfu_6n", "The running job's model FLOPs utilisation (0-1), 6N alone"),
+    "mfu_attended": ("ft_job_mfu_attended", "The running job's model FLOPs utilisation (0-1), 6N plus attention "
+                     "over the documents attended"),
     "peak_memory_bytes": ("ft_job_peak_memory_bytes", "The running job's peak GPU memory per device"),
 }
 LABELS = ["job_id", "owner", "queue"]

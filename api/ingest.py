@@ -29,8 +29,9 @@ from trainer.names import EVENTS_STREAM, INGEST_GROUP
 
 log = logging.getLogger(__name__)
 
+# mfu, mfu_6n, mfu_attended: what each counts is in trainer/flops.py.
 PROGRESS_FIELDS = ("step", "total_steps", "epoch", "loss", "lr", "grad_norm", "tokens_per_second", "eta_seconds",
-                   "mfu", "peak_memory_bytes")
+                   "mfu", "mfu_6n", "mfu_attended", "peak_memory_bytes")
 
 
 def _now() -> datetime:

@@ -65,11 +65,21 @@ for stage in "$@"; do
         --global-batch 1 --seq 2048 --steps 4 --skip 2 --tokens 200000 --label memory $extra \
         --log "$LOGS/$stage.launcher.log" ;;
     full8b_bf16_z*)  # full8b_bf16_z<stage>: the Llama-3.1-8B shape, every parameter trained, optimizer adamw_bf16,
-      # the job's defaults otherwise (micro batch by the probe); then the export is loaded and run
+      # the job's defaults otherwise (micro batch by the probe), 1% of the documents held out; then the export is
+      # loaded and its held-out loss compared with the trainer's last evaluation
       z=${stage#full8b_bf16_z}
       run "$stage" "${LIMIT8B:-430}" python3 -m bench.run_trainer --model llama8b --zero "$z" --optimizer adamw_bf16 \
-        --steps "${STEPS8B:-12}" --skip 4 --tokens 2000000 --label full8b_adamw_bf16 --reload \
+        --steps "${STEPS8B:-12}" --skip 4 --tokens 2000000 --val-fraction 0.01 --label full8b_adamw_bf16 --reload \
         --log "$LOGS/$stage.launcher.log" --events "$LOGS/$stage.events.jsonl" ;;
+    reload_llama1b)  # the Llama-3.2-1B shape with the job's defaults, 1% of the documents held out; the export
+      # reloaded and its held-out loss compared with the trainer's last evaluation
+      trainer_llama1b reload_llama1b 2 --val-fraction 0.01 --reload --label reload_1b \
+        --events "$LOGS/reload_llama1b.events.jsonl" ;;
+    pipeline_overhead)  # the pipeline engine at P = 1 against the plain engine: alternating rounds, then a profile
+      run pipeline_overhead "${PIPE_LIMIT:-300}" python3 -m bench.pipeline_overhead --model llama1b --seq-len 2048 \
+        --micro 4 --accum 4 --warmup 3 --steps 8 --repeats "${PIPE_REPEATS:-5}" --arms plain,pipe_whole,pipe \
+        --profile --tables "$LOGS/pipeline-tables"
+      grep -h '^{"round"\|^{"op_difference"' "$LOGS/pipeline_overhead.out" | tee -a "$OUT/log.txt" ;;
     oom_ladder_1b)  # micro 32 with stock modules (no fused loss: 128k-wide logits) runs out of memory; the ladder adapts
       run oom_ladder_1b 130 python3 -m bench.run_trainer --model llama1b --zero 2 --kernels torch --micro 32 \
         --on-oom adapt --steps 8 --skip 4 --label oom_ladder --events "$LOGS/oom_ladder_1b.events.jsonl" ;;

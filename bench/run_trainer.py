@@ -1,8 +1,12 @@
 """Runs this service's trainer (`python -m trainer` under the DeepSpeed launcher) on a benchmark shape.
 
 Builds the job the way the API does (JobSpec -> resolve -> RunSpec), runs the real launcher, reads the
-trainer's JSON events and prints one JSON line: real tokens/s in steady state, MFU counted on real
-tokens against 989 TFLOP/s (6N + 12·L·H·seq per token, the reference scripts' formula), peak memory.
+trainer's JSON events and prints one JSON line: real tokens/s in steady state (from step `--skip` on: the first
+steps, which compile and warm up, excluded) and over every step (from the `started` event to the last step:
+model load and the micro-batch probe excluded, warm-up included), and the trainer's three MFU figures over the
+steady state, each counted on real tokens against 989 TFLOP/s (trainer/flops.py defines them):
+`mfu_real_pct` 6N + 12·L·H·seq per token (the reference scripts' formula: attention over the whole row),
+`mfu_6n_pct` 6N alone, `mfu_attended_pct` 6N plus attention over the documents the trainer attends; peak memory.
 
   python3 -m bench.run_trainer --model llama1b --zero 2 --steps 30 --work /tmp/bench
 """
@@ -86,12 +90,21 @@ def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
                            "packing_efficiency": started.get("packing_efficiency"),
                            "params_M": round((started.get("n_params") or 0) / 1e6, 1),
                            "adjustments": started.get("adjustments")}
+    if progress:
+        out["first_loss"] = round(progress[0]["loss"], 4)
     if len(steady) >= 2:
         first, last = steady[0], steady[-1]
         tps = (last["tokens_seen"] - first["tokens_seen"]) / (last["ts"] - first["ts"])
         out["real_tokens_per_s"] = round(tps)
-        out["mfu_real_pct"] = round(100 * tps * (last["mfu"] or 0) / max(last["tokens_per_second"], 1e-9), 2) \
-            if last.get("mfu") else None
+        out["steady_from_step"] = first["step"]
+        if started.get("ts") and progress and not started.get("resumed_from_step"):
+            # Every step, the first (compile, warm-up) included; what ran before the loop (load, probe) is not.
+            out["real_tokens_per_s_all_steps"] = round(last["tokens_seen"] / (last["ts"] - started["ts"]))
+        for field, key in (("mfu", "mfu_real_pct"), ("mfu_6n", "mfu_6n_pct"), ("mfu_attended", "mfu_attended_pct")):
+            # Each event's figure over its window's tokens/s is FLOPs per token over the peak: the steady mean of
+            # that, times the steady tokens/s. Null off a known GPU, or from a trainer without the field.
+            per = [e[field] / e["tokens_per_second"] for e in steady[1:] if e.get(field) and e["tokens_per_second"]]
+            out[key] = round(100 * tps * sum(per) / len(per), 2) if per else None
         out["peak_gpu_GiB"] = round((last.get("peak_memory_bytes") or 0) / 2**30, 2)
         out["final_loss"] = round(last["loss"], 4)
     resolved = next((e for e in events if e.get("event") == "resolved"), None)
@@ -127,22 +140,59 @@ def exported(spec: Path) -> dict[str, Any]:
     return {"export_GB": round(sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e9, 2)}
 
 
-def reload_export(spec: Path) -> dict[str, Any]:
-    """Load the committed export the way a user would (transformers, safetensors) and run it: the parameter
-    count, a finite loss on a sequence, and a few generated tokens are the evidence that it reloads."""
+def heldout_loss(model: Any, blocks: Any, micro: int = 4) -> float:
+    """Token-weighted next-token cross entropy over every row of `blocks`, as the trainer's evaluation counts it
+    (labels not IGNORE; position ids passed, so packed documents stay apart), with the model's own modules."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import torch.nn.functional as F
 
-    out = Path(RunSpec.model_validate_json(spec.read_text()).paths.output_dir)
-    t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cuda")
-    loaded_s = round(time.time() - t0, 1)
-    ids = torch.randint(0, 27, (1, 256), device="cuda")
+    from trainer.data import IGNORE
+
+    total, count = 0.0, 0
     with torch.no_grad():
-        loss = float(model(input_ids=ids, labels=ids).loss)
-        gen = model.generate(input_ids=ids[:, :16], max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    return {"reload_params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "reload_s": loaded_s,
-            "reload_loss": round(loss, 4), "reload_generated_tokens": int(gen.shape[1] - 16)}
+        for lo in range(0, len(blocks), micro):
+            batch = blocks.batch(list(range(lo, min(lo + micro, len(blocks)))))
+            labels = batch.pop("labels")[:, 1:].to(model.device)
+            logits = model(**{k: v.to(model.device) for k, v in batch.items()}, use_cache=False).logits[:, :-1]
+            total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                           ignore_index=IGNORE, reduction="sum"))
+            count += int((labels != IGNORE).sum())
+    return total / max(count, 1)
+
+
+def reload_export(spec: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Load the committed export the way a user would (transformers, safetensors) and check that the trained
+    weights survived: its loss on the job's held-out documents (the validation rows the trainer evaluated:
+    whole documents of the training distribution it never trained on) against the trainer's last evaluation
+    loss, and a few generated tokens. A model that lost its training scores near its step-1 loss instead."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.data import IGNORE, load_blocks
+
+    run = RunSpec.model_validate_json(spec.read_text())
+    out, job = Path(run.paths.output_dir), run.job.spec
+    t0 = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map=device)
+    loaded_s = round(time.time() - t0, 1)
+    row: dict[str, Any] = {"reload_params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                           "reload_s": loaded_s}
+    _, val = load_blocks(job.data, run.paths, AutoTokenizer.from_pretrained(out), job.hyperparameters.seq_len,
+                         job.hyperparameters.seed)
+    evals = [e for e in events if e.get("event") == "eval"]
+    if val is None or not evals:
+        row["reload_check"] = "no held-out data (run with --val-fraction): the weights' survival is not checked"
+    else:
+        loss = heldout_loss(model, val)
+        row.update({"reload_heldout_loss": round(loss, 4), "trainer_eval_loss": round(evals[-1]["loss"], 4),
+                    "reload_minus_trainer": round(loss - evals[-1]["loss"], 4),
+                    "heldout_tokens": int((val.labels[:, 1:] != IGNORE).sum())})
+    ids = torch.as_tensor(val.input_ids[:1, :16] if val is not None else [[1] * 16], device=device)
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    row["reload_generated_tokens"] = int(gen.shape[1] - 16)
+    return row
 
 
 def main() -> None:
@@ -176,7 +226,9 @@ def main() -> None:
     p.add_argument("--val-fraction", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--events", default=None, help="write the trainer's JSON events here")
-    p.add_argument("--reload", action="store_true", help="load the export afterwards and run it")
+    p.add_argument("--reload", action="store_true",
+                   help="load the export afterwards: its held-out loss against the trainer's last eval loss "
+                        "(needs --val-fraction)")
     a = p.parse_args()
     spec = build_run(a, Path(a.work))
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.gpus), "--module", "trainer",
@@ -201,7 +253,7 @@ def main() -> None:
     row["optimizer"], row["on_oom"] = a.optimizer, a.on_oom
     if a.reload and row.get("export_GB"):
         try:
-            row.update(reload_export(spec))
+            row.update(reload_export(spec, events))
         except Exception as exc:  # the row must still be printed, with the reason
             row["reload_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if a.log:

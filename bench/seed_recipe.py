@@ -67,6 +67,7 @@ def main() -> None:
     flops = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * seq
     print(json.dumps({"recipe": "seed", "model": "gpt2", "params_M": round(n_params / 1e6, 1), "seq": seq,
                       "micro": 1, "real_tokens_per_s": round(tps), "mfu_real_pct": round(100 * tps * flops / 989e12, 3),
+                      "mfu_6n_pct": round(100 * tps * 6 * n_params / 989e12, 3),
                       "peak_gpu_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
 
 

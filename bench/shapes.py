@@ -14,6 +14,8 @@ def llama(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: b
 
 
 def model_config(name: str) -> PretrainedConfig:
+    if name == "tiny":  # a CPU smoke test of the scripts: 4 layers, the Llama vocabulary
+        return llama(64, 4, 4, 2, 256, True)
     if name == "gpt2":  # GPT-2 124M, positions widened to 2048 as in the reference runs
         return GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=2048, bos_token_id=0, eos_token_id=0)
     shapes = {
@@ -32,5 +34,5 @@ def model_config(name: str) -> PretrainedConfig:
         "llama70b": (8192, 80, 64, 8, 28672, False),  # Llama-3.1-70B
     }
     if name not in shapes:
-        raise SystemExit(f"unknown model {name}; known: gpt2, {', '.join(shapes)}")
+        raise SystemExit(f"unknown model {name}; known: tiny, gpt2, {', '.join(shapes)}")
     return llama(*shapes[name])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from trainer import checkpoint, elastic, export, kernels, memory, oom, optim, pipeline, swap, tuning
+from trainer import checkpoint, elastic, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -28,7 +28,8 @@ from trainer.modeling import load_model, load_tokenizer, model_location
 from trainer.schedule import scheduler_factory
 from trainer.spec import ResolvedJob, RunSpec
 
-# Dense bf16 peak FLOP/s per device, for MFU; an unknown device reports mfu null rather than a guess.
+# Dense bf16 peak FLOP/s per device, for MFU (trainer/flops.py says what each figure counts); an unknown device
+# reports the figures null rather than a guess.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
 
@@ -91,13 +92,6 @@ def evaluate(engine: Any, blocks: Blocks, micro: int, rank: int, world: int,
     return loss, math.exp(min(loss, 50.0))
 
 
-def _flops_per_token(model_config: Any, n_params: int, seq_len: int) -> float:
-    layers = getattr(model_config, "num_hidden_layers", 0)
-    hidden = getattr(model_config, "hidden_size", 0)
-    # 6N for the dense matmuls (forward + backward) plus attention scores/values over the sequence.
-    return 6.0 * n_params + 12.0 * layers * hidden * seq_len
-
-
 def _peak_flops() -> float | None:
     if not _on_gpu():
         return None
@@ -111,6 +105,7 @@ class Progress:
 
     last_emit: float = 0.0
     window_tokens: float = 0.0
+    window_pairs: float = 0.0  # Σ d² over the window's documents, for mfu_attended (trainer/flops.py)
     window_start: float = 0.0
 
     def due(self, step: int, total: int, now: float) -> bool:
@@ -320,7 +315,8 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
                attempt=run_spec.attempt, optimizer=hp.optimizer, on_oom=spec.resources.on_oom,
                memory_setting=setting.shown())
 
-    flops_token = _flops_per_token(getattr(engine.module, "config", None), n_params, hp.seq_len)
+    flop_counts = flops.counts(getattr(engine.module, "config", None), n_params, hp.seq_len)
+    row_pairs = flops.attended_pairs(train_blocks.position_ids, train_blocks.real_tokens)
     peak = _peak_flops()
     every = spec.checkpointing.every_steps
     eval_every = hp.eval_every_steps if val_blocks is not None else None
@@ -369,6 +365,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
         loss_total, stop_votes = _all_reduce_sum([float(loss_sum), float(stop.requested)], device)
         state.last_loss = loss_total / max(1, label_tokens)
         progress.window_tokens += real_tokens
+        progress.window_pairs += float(row_pairs[global_rows].sum())
 
         now = time.time()
         if progress.due(state.step, total_steps, now):
@@ -383,8 +380,10 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
                 tokens_per_second=tps, tokens_seen=state.tokens_seen,
                 eta_seconds=per_step * (total_steps - state.step),
                 peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None,
-                mfu=flops_token * tps / (peak * world) if peak else None)
-            progress.last_emit, progress.window_start, progress.window_tokens = now, now, 0.0
+                **flops.mfu(flop_counts, progress.window_tokens, progress.window_pairs, elapsed,
+                            peak * world if peak else None))
+            progress.last_emit, progress.window_start = now, now
+            progress.window_tokens = progress.window_pairs = 0.0
 
         if eval_every and state.step % eval_every == 0 and state.step < total_steps:
             loss_v, ppl = evaluate_fn()
