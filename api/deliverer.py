@@ -17,6 +17,10 @@ which frees the job's later events.
 Every attempt resolves the host again and checks each address against the SSRF rules (api/webhooks.py) and
 then connects to the address it checked, naming the host only in `Host` and TLS's server name: a name that
 now resolves somewhere internal (DNS rebinding) is refused, not called.
+
+The owner's secret is read sealed with the claimed row and opened (api/secretbox.py) only to sign that one
+request. One that no key in FT_SECRETS_KEY opens fails its delivery at once, the reason in `last_error` and the
+log: this process's keys cannot change, so retrying would only fail again.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 import httpx
 import psycopg
 
-from api import webhooks
+from api import secretbox, webhooks
 from api.ingest import first_line
 from api.pg import dsn
 from api.settings import ApiSettings
@@ -47,6 +51,7 @@ LEASE_MARGIN_SECONDS = 30.0  # beyond the delivery's own deadline, before a clai
 RETRY_MAX_SECONDS = 5.0
 USER_AGENT = "ft-webhooks/1"
 ERROR_CHARS = 500
+UNREADABLE = "the owner's webhook secret cannot be decrypted"
 
 # Due rows, never one whose job has an earlier pending delivery; then, per receiver, only as many as it has
 # free slots ($2/$3: receivers with deliveries in flight and how many; $4: the per-receiver bound). The rows
@@ -70,7 +75,7 @@ WITH candidates AS (
 UPDATE webhook_deliveries AS w
 SET attempts = w.attempts + 1, last_attempt_at = now(), next_attempt_at = now() + make_interval(secs => %(lease)s)
 FROM chosen WHERE w.id = chosen.id
-RETURNING w.id, w.url, w.receiver, w.event, w.payload::text, w.attempts,
+RETURNING w.id, w.url, w.receiver, w.event, w.payload::text, w.attempts, w.owner,
           (SELECT o.secret FROM webhook_owners AS o WHERE o.owner = w.owner)"""
 DELIVERED = """
 UPDATE webhook_deliveries SET status = 'delivered', delivered_at = now(), last_status_code = %(code)s,
@@ -91,7 +96,8 @@ class Claimed:
     event: str
     body: bytes
     attempts: int
-    secret: str | None
+    owner: str
+    secret: str | None  # sealed, as stored
 
 
 def backoff(attempts: int, settings: ApiSettings) -> float:
@@ -105,6 +111,7 @@ class Deliverer:
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self.allow = webhooks.parse_allow_nets(settings.webhook_allow_nets)
+        self.keys = secretbox.keyring(settings)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.in_flight: Counter[str] = Counter()
@@ -182,7 +189,7 @@ class Deliverer:
                                              "lease": lease})
             rows = await cur.fetchall()
         claimed = [Claimed(id=r[0], url=r[1], receiver=r[2], event=r[3], body=r[4].encode(), attempts=r[5],
-                           secret=r[6]) for r in rows]
+                           owner=r[6], secret=r[7]) for r in rows]
         for row in claimed:
             self.in_flight[row.receiver] += 1
         return claimed
@@ -190,7 +197,8 @@ class Deliverer:
     async def _deliver(self, client: httpx.AsyncClient, row: Claimed, woken: asyncio.Event) -> None:
         try:
             code, error = await self._send(client, row)
-            await self._record(row, code, error)
+            await self._record(row, code, error, final=code is None and error is not None
+                               and error.startswith(UNREADABLE))
         except Exception as exc:  # recording failed (Postgres away): the lease runs out and the row is retried
             log.warning("webhook delivery %s: %s", row.id, first_line(exc))
         finally:
@@ -204,12 +212,18 @@ class Deliverer:
         if not row.secret:
             return None, "the owner has no webhook secret (PUT /owners/{owner}/webhook makes one)"
         try:
+            secret = self.keys.open(row.secret, context=secretbox.webhook_context(row.owner))
+        except secretbox.Unreadable as exc:
+            log.error("webhook delivery %s: owner %r's secret cannot be decrypted with %s: %s", row.id, row.owner,
+                      secretbox.SETTING, exc)
+            return None, f"{UNREADABLE} with {secretbox.SETTING}: {exc}"
+        try:
             where, addresses = await webhooks.vet(row.url, self.allow)
         except webhooks.Refused as exc:
             return None, f"refused: {exc}"
         timestamp = int(time.time())
         headers = {"Host": where.host_header, "Content-Type": "application/json", "User-Agent": USER_AGENT,
-                   webhooks.SIGNATURE_HEADER: webhooks.signature(row.secret, timestamp, row.body),
+                   webhooks.SIGNATURE_HEADER: webhooks.signature(secret, timestamp, row.body),
                    webhooks.EVENT_HEADER: row.event, webhooks.DELIVERY_HEADER: row.id}
         extensions = {"sni_hostname": where.host} if where.scheme == "https" else {}
         try:
@@ -235,15 +249,16 @@ class Deliverer:
             return response.status_code, None
         return response.status_code, f"HTTP {response.status_code}"
 
-    async def _record(self, row: Claimed, code: int | None, error: str | None) -> None:
+    async def _record(self, row: Claimed, code: int | None, error: str | None, final: bool = False) -> None:
         async with await psycopg.AsyncConnection.connect(dsn(self.settings.database_url), autocommit=True,
                                                          connect_timeout=5) as conn:
             if error is None:
                 await conn.execute(DELIVERED, {"id": row.id, "code": code})
                 return
             wait = backoff(row.attempts, self.settings)
+            give_up = row.attempts if final else self.settings.webhook_max_attempts
             await conn.execute(FAILED, {"id": row.id, "code": code, "error": error[:ERROR_CHARS],
-                                        "max": self.settings.webhook_max_attempts, "wait": wait})
+                                        "max": give_up, "wait": wait})
         if row.attempts >= self.settings.webhook_max_attempts:
             log.warning("webhook delivery %s (%s) given up after %d attempts: %s", row.id, row.event, row.attempts,
                         error)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import field_validator, model_validator
+from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class ApiSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore")
+    # Inputs stay out of error messages: they hold FT_SECRETS_KEY and the database password.
+    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore", hide_input_in_errors=True)
 
     env: str = "development"
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/finetune"
@@ -61,6 +62,9 @@ class ApiSettings(BaseSettings):
     webhook_per_receiver: int = 2  # in flight to one receiver (scheme, host, port): a slow one holds only these
     # PEM file of CAs trusted for https receivers besides the system's (receivers with an internal CA); empty: none.
     webhook_ca_file: str = ""
+    # Keys that encrypt webhook secrets at rest (api/secretbox.py): comma-separated, the first encrypts, all decrypt.
+    # Required outside development; unset in development: a public development key, with a warning.
+    secrets_key: SecretStr = SecretStr("")
     loop_interval_seconds: float = 0.5
 
     @property
@@ -114,6 +118,13 @@ class ApiSettings(BaseSettings):
         if self.allow_anonymous and not self.development:
             raise ValueError("FT_ALLOW_ANONYMOUS is for development only (FT_ENV=development); production "
                              "requires an API key on every request")
+        return self
+
+    @model_validator(mode="after")
+    def _secrets_key_usable(self) -> ApiSettings:
+        from api.secretbox import check_setting
+
+        check_setting(self.secrets_key.get_secret_value(), development=self.development)
         return self
 
 

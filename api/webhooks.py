@@ -32,6 +32,7 @@ EVENT_HEADER = "X-FT-Event"
 DELIVERY_HEADER = "X-FT-Delivery"
 TOLERANCE_SECONDS = 300  # what receivers are told to accept; older signatures are replays
 SECRET_PREFIX = "whsec_"
+SHOWN_PREFIX = 10  # "whsec_" and 4 characters: tells an owner's secrets apart, 24 of its 256 bits
 RESOLVE_TIMEOUT_SECONDS = 3.0
 MAX_URL_CHARS = 2048
 

@@ -27,6 +27,8 @@ PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname
 # Under pytest-xdist each worker process is a session of its own: its own database, stack and Redis database.
 _XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
 REDIS_DB = int(os.environ.get("FT_TEST_REDIS_DB", "9")) + (int(_XDIST.removeprefix("gw")) if _XDIST else 0)
+# Outside development the service refuses to start without it; every process a test starts inherits it.
+os.environ.setdefault("FT_SECRETS_KEY", "dGVzdHMtb25seS13ZWJob29rLXNlY3JldHMta2V5LTA=")
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ import httpx
 import psycopg
 import pytest
 
-from api import webhooks
+from api import secretbox, webhooks
 from api.deliverer import Claimed, Deliverer, backoff
 from api.models import Job
 from api.services.webhooks import event_type
@@ -124,6 +124,16 @@ def secret(api: httpx.Client) -> str:
     again = api.get("/owners/default/webhook")
     assert again.status_code == 200 and again.json()["secret"] is None  # shown only when made or rotated
     return str(r.json()["secret"])
+
+
+def test_the_stored_secret_is_encrypted_and_only_its_prefix_shown(api: httpx.Client, secret: str,
+                                                                  stack_env: dict[str, str]) -> None:
+    with psycopg.connect(stack_env["FT_DATABASE_URL"].replace("+psycopg", ""), autocommit=True) as conn:
+        stored, whole = conn.execute("SELECT secret, row_to_json(w)::text FROM webhook_owners AS w "
+                                     "WHERE owner = 'default'").fetchone() or (None, None)
+    assert stored and whole and secret not in whole and secret[6:] not in whole, whole  # nowhere in the row
+    assert stored.startswith("v1:") and not stored.startswith(webhooks.SECRET_PREFIX), stored
+    assert api.get("/owners/default/webhook").json()["secret_prefix"] == secret[:10]
 
 
 def parked(api: httpx.Client, make_job: Callable[..., dict[str, Any]], url: str | None) -> str:
@@ -257,8 +267,9 @@ def test_https_goes_to_the_checked_address_named_in_sni_and_verified(tmp_path: P
 
         def send(url: str, ca_file: str = str(ca), nets: str = allow) -> tuple[int | None, str | None]:
             deliverer = Deliverer(ApiSettings(webhook_allow_nets=nets, webhook_ca_file=ca_file))
+            sealed = deliverer.keys.seal("whsec_tls", context=secretbox.webhook_context("tls-owner"))
             row = Claimed(id="whd_tls", url=url, receiver="", event="job.running", body=b'{"type":"job.running"}',
-                          attempts=1, secret="whsec_tls")
+                          attempts=1, owner="tls-owner", secret=sealed)
 
             async def go() -> tuple[int | None, str | None]:
                 async with deliverer.client() as client:

@@ -1,6 +1,10 @@
 """Webhooks in the database: owners' secrets and default URLs, the outbox rows each job event adds, and the
 reads that show deliveries on a job.
 
+An owner's signing secret is stored sealed (api/secretbox.py): the column holds ciphertext under
+FT_SECRETS_KEY, `secret_prefix` the few characters shown to tell secrets apart, and the secret itself is in the
+answer that made it only.
+
 A delivery row is written by `enqueue`, which `api/services/events.py` calls for every event it appends, so
 the row commits or rolls back with the event it tells about (the ingester's batch, a cancel, the reaper's
 requeue): no state change goes unannounced and no announcement has no state change. The control plane's
@@ -14,10 +18,11 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from api import pg, webhooks
+from api import pg, secretbox, webhooks
 from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, Job
@@ -120,15 +125,17 @@ async def check_job(*, spec: JobSpec, caller: Principal, settings: ApiSettings) 
     await vet(url, settings, FIELD)
 
 
-OWNER_JSON = ("json_build_object('owner', owner, 'url', url, 'secret_prefix', left(secret, 10), "
+OWNER_JSON = ("json_build_object('owner', owner, 'url', url, 'secret_prefix', secret_prefix, "
               "'created_at', created_at, 'rotated_at', rotated_at, 'updated_at', updated_at)::text")
 GET_OWNER = f"SELECT {OWNER_JSON} FROM webhook_owners WHERE owner = $1"
 # Created with a secret on first use; `rotate` replaces the secret. Whether the stored secret is the one this call
-# made says whether to show it (two first PUTs at once: only the one whose secret was kept shows one).
+# made says whether to show it (two first PUTs at once: only the one whose secret was kept shows one); each sealing
+# draws a fresh nonce, so two calls never seal alike.
 PUT_OWNER = f"""
-INSERT INTO webhook_owners AS w (owner, url, secret) VALUES ($1, $2, $3)
+INSERT INTO webhook_owners AS w (owner, url, secret, secret_prefix) VALUES ($1, $2, $3, $5)
 ON CONFLICT (owner) DO UPDATE SET url = EXCLUDED.url, updated_at = now(),
     secret = CASE WHEN $4 THEN EXCLUDED.secret ELSE w.secret END,
+    secret_prefix = CASE WHEN $4 THEN EXCLUDED.secret_prefix ELSE w.secret_prefix END,
     rotated_at = CASE WHEN $4 THEN now() ELSE w.rotated_at END
 RETURNING {OWNER_JSON}, secret = $3"""
 AUDIT = ("INSERT INTO audit_log (at, key_id, owner, action, subject, data) "
@@ -157,14 +164,50 @@ async def put_owner(*, owner: str, url: str | None, rotate: bool, caller: Princi
     if url is not None:
         await vet(url, settings, "url")
     secret = webhooks.new_secret()
+    sealed = secretbox.keyring(settings).seal(secret, context=secretbox.webhook_context(owner))
     try:
         async with (await pg.pool()).acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(PUT_OWNER, owner, url, secret, rotate)
+            row = await conn.fetchrow(PUT_OWNER, owner, url, sealed, rotate, secret[:webhooks.SHOWN_PREFIX])
             await conn.execute(AUDIT, caller.key_id, caller.owner, owner,
                                json.dumps({"url": url, "secret_made": bool(row[1])}))
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
     return {**json.loads(row[0]), "secret": secret if row[1] else None}
+
+
+RESEAL_BATCH = 500
+
+
+def reseal_all(settings: ApiSettings) -> tuple[int, int, dict[str, str]]:
+    """Seal every stored webhook secret with the first key of FT_SECRETS_KEY (after a new key was put first;
+    a plain one an older version wrote is sealed too): (changed, total, {owner: why} for rows no key opens).
+    Rows are rewritten in batches, each locked while it changes, so it runs beside a serving API."""
+    ring = secretbox.keyring(settings)
+    changed = total = 0
+    unreadable: dict[str, str] = {}
+    after = ""
+    with psycopg.connect(pg.dsn(settings.database_url), autocommit=True) as conn:
+        while True:
+            with conn.transaction():
+                rows = conn.execute("SELECT owner, secret FROM webhook_owners WHERE owner > %s ORDER BY owner "
+                                    "LIMIT %s FOR UPDATE", (after, RESEAL_BATCH)).fetchall()
+                for owner, stored in rows:
+                    if ring.sealed_with_first(stored):
+                        continue
+                    context = secretbox.webhook_context(owner)
+                    try:
+                        plain = stored if stored.startswith(webhooks.SECRET_PREFIX) else \
+                            ring.open(stored, context=context)
+                    except secretbox.Unreadable as exc:
+                        unreadable[owner] = str(exc)
+                        continue
+                    conn.execute("UPDATE webhook_owners SET secret = %s, secret_prefix = %s WHERE owner = %s",
+                                 (ring.seal(plain, context=context), plain[:webhooks.SHOWN_PREFIX], owner))
+                    changed += 1
+            total += len(rows)
+            if len(rows) < RESEAL_BATCH:
+                return changed, total, unreadable
+            after = rows[-1][0]
 
 
 DELIVERY_JSON = """json_build_object(
