@@ -1,9 +1,11 @@
 """The web dashboard in a real headless Chromium (the system's package, driven by Selenium through the system's
 chromedriver; nothing is downloaded): the key pasted into the page, the job list showing a submitted job, the
-loss curve gaining points while a real job trains, and the cancel button."""
+loss chart gaining points while a real job trains (its axes, ticks, eval markers, learning rate and legend), the
+chart's edge cases (no points, one, a flat loss, NaN losses, thousands of points), and the cancel button."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -39,8 +41,44 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-def js(browser: Any, script: str) -> Any:
-    return browser.execute_script(script)
+def js(browser: Any, script: str, *args: Any) -> Any:
+    return browser.execute_script(script, *args)
+
+
+# What a reader of the chart sees: its text by role, the steps of its eval markers and of its marks where the loss was
+# not finite, and each series' lines (how many pieces, how many vertices in all).
+READ_CHART = """
+const svg = document.querySelector(arguments[0]);
+const texts = (sel) => Array.from(svg.querySelectorAll(sel), (n) => n.textContent);
+const lines = {}, pieces = {};
+for (const n of svg.querySelectorAll("polyline")) {
+  const cls = n.getAttribute("class");
+  lines[cls] = (lines[cls] || 0) + n.points.numberOfItems; pieces[cls] = (pieces[cls] || 0) + 1;
+}
+return {axes: texts(".axis-label"), x: texts(".tick.x"), y: texts(".tick.y"), lr: texts(".tick.lr"),
+        legend: texts(".legend"), empty: texts(".empty"), points: +svg.dataset.points, evals: +svg.dataset.evals,
+        markers: Array.from(svg.querySelectorAll(".eval-marker"), (n) => +n.dataset.step),
+        gaps: Array.from(svg.querySelectorAll(".gap-marker"), (n) => +n.dataset.step), lines, pieces};
+"""
+
+
+def chart(browser: Any, selector: str = "#curve") -> dict[str, Any]:
+    return dict(js(browser, READ_CHART, selector))
+
+
+def ticks(labels: list[str], lo: float, hi: float) -> list[float]:
+    """The tick values, checked to be evenly spaced round numbers (1, 2, 2.5 or 5 times a power of ten, every
+    tick a multiple of the spacing) whose first and last enclose [lo, hi]."""
+    values = [float(label) for label in labels]
+    assert len(values) >= 2, labels
+    gap = values[1] - values[0]
+    assert gap > 0, labels
+    assert all(math.isclose(b - a, gap, rel_tol=1e-6) for a, b in zip(values, values[1:], strict=False)), labels
+    mantissa = gap / 10 ** math.floor(math.log10(gap) + 1e-9)
+    assert any(math.isclose(mantissa, m, rel_tol=1e-6) for m in (1, 2, 2.5, 5)), labels
+    assert all(math.isclose(v / gap, round(v / gap), abs_tol=1e-6) for v in values), labels
+    assert values[0] <= lo and values[-1] >= hi, (labels, lo, hi)
+    return values
 
 
 def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admin_key: str,
@@ -55,7 +93,8 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     waiting = api.post("/jobs", json=make_job(name="ui-parked", resources={"queue": parked})).json()["id"]
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-id="{waiting}"]'), 30,
              "the list to show the submitted job")
-    training = api.post("/jobs", json=make_job(name="ui-train", hyperparameters={"max_steps": 16})).json()["id"]
+    training = api.post("/jobs", json=make_job(name="ui-train", hyperparameters={"max_steps": 16,
+                                                                                  "eval_every_steps": 4})).json()["id"]
     browser.get(f"{stack.api_url}/ui#job/{training}")
     # The curve gains points as the job trains: first a few, then more, drawn from the live stream.
     first = wait_for(lambda: int(js(browser, "return +document.getElementById('curve').dataset.points")) or 0, 300,
@@ -64,9 +103,25 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
              "the curve to gain points while the job trains", interval=0.3)
     wait_status(api, training, {"succeeded"}, 300)
     wait_for(lambda: browser.find_element(By.ID, "j-status").text == "succeeded", 30, "the page to show the end")
-    # Every progress event the job has is on the curve, and its log reached the tail.
-    progress = [e for e in events_of(api, training, ["progress"]) if isinstance(e.get("loss"), float)]
-    assert int(js(browser, "return +document.getElementById('curve').dataset.points")) == len(progress)
+    # Every progress event the job has is on the curve, every evaluation has its marker at its step, and the
+    # axes' ticks cover the steps, the losses and the learning rates the job reported.
+    events = events_of(api, training, ["progress", "eval"])
+    progress = [e for e in events if e["type"] == "progress" and isinstance(e.get("loss"), float)]
+    evals = [e for e in events if e["type"] == "eval" and isinstance(e.get("loss"), float)]
+    assert len(evals) == 4  # steps 4, 8 and 12, and the final one at 16
+    seen = wait_for(lambda: (c := chart(browser))["points"] == len(progress) and len(c["markers"]) == len(evals) and c,
+                    30, "the chart to hold every progress and eval event")
+    assert sorted(seen["markers"]) == sorted(e["step"] for e in evals)
+    assert {"step", "loss", "learning rate"} <= set(seen["axes"])
+    assert {"train loss", "eval loss", "learning rate"} <= set(seen["legend"])
+    steps = [e["step"] for e in progress + evals]
+    losses = [e["loss"] for e in progress + evals]
+    rates = [e["lr"] for e in progress]
+    ticks(seen["x"], min(steps), max(steps))
+    ticks(seen["y"], min(losses), max(losses))
+    ticks(seen["lr"], min(rates), max(rates))
+    assert seen["lines"]["series-loss"] == len(progress) and seen["lines"]["series-lr"] == len(progress)
+    assert seen["empty"] == [] and seen["gaps"] == []
     assert browser.find_element(By.ID, "log").text.strip()
     if os.environ.get("FT_UI_SCREENSHOT"):  # how the README's picture is made
         browser.save_screenshot(os.environ["FT_UI_SCREENSHOT"])
@@ -77,3 +132,65 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     wait_for(lambda: browser.find_element(By.ID, "j-status").text == "cancelled", 30, "the page to show the cancel")
     assert api.get(f"/jobs/{waiting}").json()["status"] == "cancelled"
     assert browser.find_element(By.ID, "error").text == ""
+
+
+def test_chart_edge_cases(browser: Any, stack: Any) -> None:
+    """The page's own chart code, fed events shaped as the API sends them (a non-finite loss arrives as the text
+    "nan" or "inf"), each drawn into its own chart."""
+    browser.get(stack.api_url + "/ui")
+
+    def draw(name: str, events: list[dict[str, Any]]) -> dict[str, Any]:
+        js(browser, """
+            const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+            svg.id = arguments[0]; document.body.append(svg);
+            const s = chartSeries(); for (const e of arguments[1]) s.add(e); drawChart(svg, s);""", name, events)
+        return chart(browser, "#" + name)
+
+    def progress(step: int, loss: Any, lr: Any = 1e-3) -> dict[str, Any]:
+        return {"type": "progress", "step": step, "loss": loss, "lr": lr}
+
+    empty = draw("empty", [])
+    assert empty["points"] == 0 and empty["x"] == [] and empty["y"] == [] and empty["markers"] == []
+    assert empty["empty"] == ["no loss reported yet"]
+    assert {"step", "loss", "learning rate"} <= set(empty["axes"])
+    assert {"train loss", "eval loss", "learning rate"} <= set(empty["legend"])
+
+    one = draw("one", [progress(5, 2.25, 3e-4)])
+    assert one["points"] == 1
+    ticks(one["x"], 5, 5)
+    ticks(one["y"], 2.25, 2.25)
+    ticks(one["lr"], 0, 3e-4)
+
+    flat = draw("flat", [progress(step, 3.0) for step in range(1, 11)] + [{"type": "eval", "step": 10, "loss": 3.0}])
+    assert flat["points"] == 10 and flat["markers"] == [10]
+    ticks(flat["x"], 1, 10)
+    assert len(set(ticks(flat["y"], 3.0, 3.0))) >= 2
+
+    nan = draw("nan", [progress(1, 4.0), progress(2, "nan"), progress(3, "inf", "nan"), progress(4, "-inf"),
+                       progress(5, None), progress(6, 3.5), {"type": "eval", "step": 6, "loss": "nan"},
+                       {"type": "eval", "step": "nan", "loss": 3.0}])
+    assert nan["points"] == 2 and nan["evals"] == 0 and nan["markers"] == []
+    assert max(ticks(nan["y"], 3.5, 4.0)) < 10  # no infinite loss stretched the axis
+    # The line breaks at the steps that diverged, which are marked, and named in the legend.
+    assert nan["pieces"]["series-loss"] == 2 and nan["gaps"] == [2, 3, 4, 5]
+    assert "loss not finite" in nan["legend"]
+    assert nan["lines"]["series-lr"] == 5  # the learning rate of a step whose loss was not finite is still drawn
+
+    # A retried attempt resumes at its checkpoint (step 6) and reports those steps again: its points replace the
+    # earlier attempt's from there on.
+    retried = draw("retried", [progress(step, 5.0 - step / 10) for step in range(1, 11)]
+                   + [progress(step, 4.0 - step / 10) for step in range(6, 13)])
+    assert retried["points"] == 12 and retried["lines"]["series-loss"] == 12 and retried["pieces"]["series-loss"] == 1
+
+    many = 20000
+    curve = [(step, 2 + math.sin(step / 50) + 1000 / (step + 100), 1e-4 * min(1, step / 500))
+             for step in range(1, many + 1)]
+    big = draw("big", [progress(*point) for point in curve]
+               + [{"type": "eval", "step": step, "loss": 2.5} for step in range(1000, many + 1, 1000)])
+    assert big["points"] == many and len(big["markers"]) == 20
+    assert 100 < big["lines"]["series-loss"] <= 4 * 800  # at most four vertices per pixel column
+    assert big["pieces"]["series-loss"] == 1 and "loss not finite" not in big["legend"]
+    xs = ticks(big["x"], 1, many)
+    assert len(xs) <= 12
+    ticks(big["y"], min(loss for _, loss, _ in curve), max(loss for _, loss, _ in curve))
+    ticks(big["lr"], 0, 1e-4)
