@@ -7,17 +7,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo up worker migrate test lint compose-check clean
 
-$(STAMP): pyproject.toml worker/prebuild.py
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first: the project's torch range then installs nothing bigger.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.4,<2.15"
 	$(PY) -m pip install -q -e ".[dev]"
-	# DeepSpeed's ops are compiled now, not inside the first job (see worker/prebuild.py).
-	$(PY) -m worker.prebuild
 	touch $(STAMP)
 
+## DeepSpeed's ops are compiled here, not inside the first job (see worker/prebuild.py). Which ops this machine
+## can build changes with no file here changing (libaio-dev installed after the first install makes NVMe
+## offload's op buildable), so every install compares the ops folder's manifest with what can be built now and
+## builds only what is missing: a few seconds when nothing is.
 install: $(STAMP)
+	$(PY) -m worker.prebuild
 
 ## Set up everything, start the stack and run a demo fine-tune end to end.
 demo: install

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import wait_for
 from trainer import swap
+from worker import prebuild
 from worker.logpump import RankLogTail, parse_trainer_event
 from worker.outcome import classify_failure, read_completion
 from worker.settings import WorkerSettings
 from worker.supervisor import extensions_dir, release_stale_build_locks
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_only_json_objects_with_an_event_are_trainer_events() -> None:
@@ -77,20 +84,170 @@ def test_build_locks_left_by_a_killed_attempt_are_released(tmp_path: Path) -> No
     assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()
 
 
+HOLD_A_BUILD_LOCK = """
+import sys
+from torch.utils.file_baton import FileBaton
+baton = FileBaton(sys.argv[1])
+assert baton.try_acquire()
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+baton.release()  # raises FileNotFoundError where someone removed the lock of this live build
+"""
+
+
+def _hold_build_lock(lock: Path) -> subprocess.Popen[str]:
+    """A process building an op, as a rank or a prebuild does: it holds torch's build lock open."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_BUILD_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _ops_copy(tmp_path: Path) -> Path:
+    """This install's built ops in a folder of the test's own: what a test builds, locks or releases there,
+    no other process (another pytest worker's launches, a worker's jobs) loads from. Built first where needed,
+    so a copy's prebuild only loads what is there."""
+    real = extensions_dir(WorkerSettings())
+    prebuild.ensure(real)
+    copy = tmp_path / "torch_extensions"
+    shutil.copytree(real, copy, ignore=shutil.ignore_patterns("lock", prebuild.PREBUILD_LOCK))
+    return copy
+
+
+def _as_before_an_op_became_buildable(folder: Path, op: str = "CPUAdamBuilder") -> None:
+    """Rewrite the folder's manifest as a prebuild on this machine before `op` could be built there wrote it
+    (as AsyncIOBuilder before libaio-dev was installed): the op unbuilt, the system since changed."""
+    manifest = json.loads((folder / prebuild.MANIFEST).read_text())
+    manifest["ops"][op] = "cannot be built here"
+    manifest["fingerprint"]["system"] = "before-a-package-was-installed"
+    (folder / prebuild.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _env(folder: Path) -> dict[str, str]:
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)}
+
+
+def _prebuild(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "worker.prebuild", *args], cwd=REPO, env=_env(folder),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _built(folder: Path) -> set[str]:
+    manifest = json.loads((folder / prebuild.MANIFEST).read_text())
+    return {name for name, state in manifest["ops"].items() if state == "built"}
+
+
+def test_a_build_lock_a_live_process_holds_is_kept(tmp_path: Path) -> None:
+    live, dead = tmp_path / "async_io" / "lock", tmp_path / "cpu_adam" / "lock"
+    holder = _hold_build_lock(live)
+    killed = _hold_build_lock(dead)
+    killed.kill()
+    killed.wait()
+    try:
+        assert release_stale_build_locks(tmp_path) == [dead]
+        assert live.exists() and not dead.exists()
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0, "the live build lost its lock"
+    assert not live.exists() and release_stale_build_locks(tmp_path) == []
+
+
 def test_prebuild_leaves_the_cpu_ops_where_the_ranks_load_them(tmp_path: Path) -> None:
-    """`make install` ran `python -m worker.prebuild`; running it again finds the ops built, and they lie in
-    the folder the supervisor gives the ranks (TORCH_EXTENSIONS_DIR), so no job compiles them."""
+    """`make install` ran `python -m worker.prebuild`: the ops lie in the folder the supervisor gives the ranks
+    (TORCH_EXTENSIONS_DIR), so no job compiles them. A lock a killed build left is released by the next
+    prebuild, on a copy: the real folder is shared with every other process of this install."""
     folder = extensions_dir(WorkerSettings())
-    (folder / "cpu_adam").mkdir(parents=True, exist_ok=True)
-    (folder / "cpu_adam" / "lock").touch()  # as a build killed half-way leaves it
-    r = subprocess.run([sys.executable, "-m", "worker.prebuild"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert f"DeepSpeed ops ready in {folder}: CPUAdamBuilder" in r.stderr, r.stderr[-2000:]
-    assert not (folder / "cpu_adam" / "lock").exists()
+    prebuild.ensure(folder)
+    check = subprocess.run([sys.executable, "-m", "worker.prebuild", "--check"], cwd=REPO, capture_output=True,
+                           text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert f"DeepSpeed ops ready in {folder}: " in check.stderr and "CPUAdamBuilder" in check.stderr, check.stderr
     assert list((folder / "cpu_adam").glob("*.so")), sorted(p.name for p in (folder / "cpu_adam").iterdir())
-    printed = subprocess.run([sys.executable, "-m", "worker.prebuild", "--print-dir"], capture_output=True,
-                             text=True, timeout=120)
+    printed = subprocess.run([sys.executable, "-m", "worker.prebuild", "--print-dir"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
     assert printed.stdout.strip() == str(folder)
+
+    copy = _ops_copy(tmp_path)
+    (copy / "cpu_adam" / "lock").touch()  # as a build killed half-way leaves it: no process holds it
+    r = _prebuild(copy)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"removed a build lock a killed build left: {copy / 'cpu_adam' / 'lock'}" in r.stderr, r.stderr
+    assert not (copy / "cpu_adam" / "lock").exists()
+
+
+def test_make_install_builds_an_op_that_became_buildable_after_the_first_install(tmp_path: Path) -> None:
+    """`make install`, a system package installed (libaio-dev), `make install` again: the stamp of the first
+    install is up to date, yet the op the package made buildable is built now, not by a job's ranks."""
+    copy = _ops_copy(tmp_path)
+    _as_before_an_op_became_buildable(copy)
+    assert "system changed" in str(prebuild.stale_reason(copy))
+    check = _prebuild(copy, "--check")
+    assert check.returncode == 1 and "can build but has not built" in check.stderr, check.stderr[-2000:]
+    assert "CPUAdamBuilder" in check.stderr.split("has not built")[1]
+    # -o: the installed packages count as installed, so no pip runs; what is left is what every install does.
+    make = subprocess.run(["make", "-o", ".venv/.installed", "install"], cwd=REPO, env=_env(copy),
+                          capture_output=True, text=True, timeout=600)
+    assert make.returncode == 0, (make.stdout + make.stderr)[-2000:]
+    assert "CPUAdamBuilder" in _built(copy), (make.stdout + make.stderr)[-2000:]
+    assert prebuild.stale_reason(copy) is None
+    assert _prebuild(copy, "--check").returncode == 0
+
+
+def test_a_worker_builds_what_became_buildable_before_it_takes_a_job(tmp_path: Path) -> None:
+    copy = _ops_copy(tmp_path)
+    _as_before_an_op_became_buildable(copy)
+    # Celery's --help exits before connecting anywhere: what runs before it is all a worker's start does first.
+    started = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=REPO, env=_env(copy),
+                             capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert "checking DeepSpeed's ops before any job runs: system changed" in started.stderr, started.stderr[-2000:]
+    assert "CPUAdamBuilder" in _built(copy) and prebuild.stale_reason(copy) is None
+    assert "--concurrency" in started.stdout  # then the worker itself started
+
+    # Where the ops cannot be built, the worker refuses to start rather than leave the build to a job.
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    refused = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=REPO, env=_env(not_a_folder / "ops"),
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "worker: refusing to start" in refused.stderr, refused.stderr[-2000:]
+    assert "--concurrency" not in refused.stdout
+
+
+def test_two_prebuilds_at_once_build_each_op_once_and_keep_a_live_build_lock(tmp_path: Path) -> None:
+    """Two processes prebuilding one folder (two workers starting, two pytest workers' launches) while a rank
+    holds an op's build lock: neither removes the live lock, one waits for the other, both succeed."""
+    copy = _ops_copy(tmp_path)
+    _as_before_an_op_became_buildable(copy)
+    rank = _hold_build_lock(copy / "cpu_adam" / "lock")
+    builds = [subprocess.Popen([sys.executable, "-m", "worker.prebuild"], cwd=REPO, env=_env(copy),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    logs: list[list[str]] = [[], []]
+
+    def read(i: int) -> None:
+        stream = builds[i].stderr
+        assert stream is not None
+        logs[i].extend(stream)
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        # The first holds the prebuild lock and waits on the rank's build lock, so the second waits for it.
+        wait_for(lambda: any("another prebuild of" in line for log in logs for line in log), 120,
+                 "one prebuild to wait for the other")
+    finally:
+        rank.communicate("", timeout=60)
+        for p in builds:
+            p.wait(timeout=600)
+        for t in readers:
+            t.join(timeout=60)
+    text = ["".join(log) for log in logs]
+    assert rank.returncode == 0, "a prebuild removed the lock of a live build"
+    assert [p.returncode for p in builds] == [0, 0], text
+    assert not any("removed a build lock" in log for log in text), text
+    assert sum("another prebuild of" in log for log in text) == 1, text
+    assert "CPUAdamBuilder" in _built(copy)
 
 
 def test_the_swap_folder_is_per_attempt_and_removed_only_for_nvme_jobs(tmp_path: Path) -> None:

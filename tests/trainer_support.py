@@ -107,11 +107,16 @@ def parse_event(line: str) -> Event | None:
 
 
 def ops_dir() -> Path:
-    """The folder `make install` built DeepSpeed's ops into, so no launch here compiles them again."""
+    """The folder `make install` built DeepSpeed's ops into, so no launch here compiles them again. An op
+    this machine became able to build since (libaio-dev installed later) is built first, by one process at a
+    time (worker.prebuild), as a worker does at start: never by two launches' ranks at once."""
+    from worker import prebuild
     from worker.settings import WorkerSettings
     from worker.supervisor import extensions_dir
 
-    return extensions_dir(WorkerSettings())
+    folder = extensions_dir(WorkerSettings())
+    prebuild.ensure(folder)
+    return folder
 
 
 def launch(spec_path: Path, *, procs: int = 2,

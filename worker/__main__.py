@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
+from worker import prebuild
 from worker.node import NodeSettings, describe
+from worker.settings import WorkerSettings
+from worker.supervisor import extensions_dir
 
 
 def argv(extra: list[str]) -> list[str]:
@@ -28,4 +31,10 @@ def argv(extra: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     args = argv(sys.argv[1:])
+    # Before the worker takes a job: an op this node became able to build since the ops were prebuilt
+    # (libaio-dev installed later) is built now, not by the first job's ranks inside its time limit.
+    try:
+        prebuild.ensure(extensions_dir(WorkerSettings()))
+    except RuntimeError as exc:
+        sys.exit(f"worker: refusing to start: {exc}")
     os.execv(args[0], args)
