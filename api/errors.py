@@ -7,6 +7,7 @@ on `code` and the fuzzer can hold every error response to the schema.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -17,6 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Scope
 
 from trainer.dsconfig import FieldError, SpecError
 
@@ -127,6 +130,9 @@ def _message(e: dict[str, Any]) -> str:
         return "is not a known field"
     if kind == "json_invalid":
         return f"is not valid JSON: {(e.get('ctx') or {}).get('error', 'decode error')}"
+    if kind == "int_parsing" and str(e.get("input")).endswith(", not an integer)"):
+        # A boolean or string for an integer, as trainer.spec.refuse_lax_integers marked it.
+        return f"must be an integer, got {str(e.get('input')).rsplit(' (', 1)[0]}"
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
     expected = (e.get("ctx") or {}).get("expected")
     if kind in ("literal_error", "enum") and expected:
@@ -158,7 +164,18 @@ def unavailable(what: str) -> JSONResponse:
                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def install(app: FastAPI) -> None:
+def allowed_methods(routes: Sequence[BaseRoute], scope: Scope) -> str:
+    """Every method the request's path serves, for a 405's Allow. FastAPI makes one route per method and
+    Starlette's own Allow names only the first route whose path matched, so DELETE /jobs would say POST alone."""
+    methods: set[str] = set()
+    for route in routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
+def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
+    """The handlers; `routes` are the routers' own (full paths), which a 405's Allow is computed from."""
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(body(exc.code, exc.message, exc.field, exc.details), status_code=exc.status,
@@ -175,11 +192,15 @@ def install(app: FastAPI) -> None:
         return JSONResponse(body(err.code, err.message, err.field, err.details), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 401: ErrorCode.UNAUTHORIZED,
                 403: ErrorCode.FORBIDDEN, 413: ErrorCode.PAYLOAD_TOO_LARGE}.get(exc.status_code, ErrorCode.HTTP_ERROR)
-        # Keep the exception's headers: a 405 must say what is allowed (Allow).
-        return JSONResponse(body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        headers, message = dict(exc.headers or {}), str(exc.detail)
+        if exc.status_code == 405:
+            # RFC 9110: a 405 lists the methods the path serves.
+            headers["Allow"] = allowed_methods(routes, request.scope)
+            message = f"{request.method} is not allowed on this path; allowed: {headers['Allow']}"
+        return JSONResponse(body(code, message), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(sa_exc.DBAPIError)
     async def _database(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:

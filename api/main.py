@@ -79,18 +79,18 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
-    errors.install(app)
     routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router,
                webhooks.router)
+    # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
+    # FastAPI's wrappers of included routers.
+    routes = [r for router in routers for r in router.routes]
+    errors.install(app, routes=[*routes, *ui.router.routes])
     for router in routers:
         app.include_router(router)
     app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key
     # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-    # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
-    # FastAPI's wrappers of included routers.
-    app.add_middleware(KeyAuth, routes=[r for router in routers for r in router.routes],
-                       allow_anonymous=settings.allow_anonymous)
+    app.add_middleware(KeyAuth, routes=routes, allow_anonymous=settings.allow_anonymous)
     # Outermost: every answer is counted and timed, refusals included; it serves /metrics itself, keyless.
     app.add_middleware(Metrics)
     app.openapi = partial(openapi_with_bearer, app)  # type: ignore[method-assign]

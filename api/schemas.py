@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
-from trainer.spec import JobSpec
+from trainer.spec import JobSpec, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
 
@@ -127,6 +128,19 @@ class Health(BaseModel):
 
 OWNER_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 ScopeName = Literal["jobs:read", "jobs:write", "admin"]
+# RFC 3339, what the schema's `format: date-time` means: a time zone is required (Z or an offset).
+_RFC3339 = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?"
+                      r"(?:[Zz]|[+-][0-9]{2}:[0-9]{2})")
+
+
+def _rfc3339(v: Any) -> Any:
+    # pydantic alone would also take a number or a digit string as Unix time, and a date without a time.
+    if not isinstance(v, (str, datetime)) or (isinstance(v, str) and not _RFC3339.fullmatch(v)):
+        raise ValueError("must be an RFC 3339 date-time with a time zone, like 2027-01-01T00:00:00Z")
+    return v
+
+
+DateTime = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
 
 
 class KeyCreate(BaseModel):
@@ -136,7 +150,8 @@ class KeyCreate(BaseModel):
     scopes: list[ScopeName] = Field(min_length=1, max_length=3, description="jobs:read (list, read, events, logs), "
                                     "jobs:write (submit, cancel; implies jobs:read), admin (everything)")
     name: str = Field(default="", max_length=200, description="What the key is for (shown in lists)")
-    expires_at: datetime | None = Field(default=None, description="When the key stops working; null: never")
+    expires_at: DateTime | None = Field(default=None, description=(
+        "When the key stops working, in the future and at most 36600 days (100 years) away; null: never"))
 
 
 class Key(BaseModel):
@@ -171,6 +186,11 @@ class QuotaSet(BaseModel):
         "Jobs of the owner that have not ended (queued ones included); null: the service default"))
     max_gpus: int | None = Field(default=None, ge=0, le=1_000_000, description=(
         "GPUs (`resources.num_gpus`) of those jobs together; null: the service default"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        return refuse_lax_integers(cls, data)  # false is no quota of 0 GPUs
 
 
 class QuotaUsage(BaseModel):
@@ -210,10 +230,11 @@ class AuditPage(BaseModel):
 class OwnerWebhookSet(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = Field(default=None, min_length=1, max_length=2048, description=(
+    url: WebhookUrl | None = Field(default=None, description=(
         "The default http(s) URL for the owner's jobs that name none (`notifications.webhook_url`); null: none. "
         "Its host must resolve to public addresses only, unless the operator allows a range"))
-    rotate_secret: bool = Field(default=False, description="Replace the signing secret; the answer shows the new one")
+    rotate_secret: StrictBool = Field(default=False,
+                                      description="Replace the signing secret; the answer shows the new one")
 
 
 class OwnerWebhook(BaseModel):

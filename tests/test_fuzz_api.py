@@ -7,6 +7,9 @@ ever, and every response (status, content type, headers, body) is one the schema
 Generated jobs never reach a worker: every body that names no queue, or names one, gets a queue no
 worker serves. Path ids are sometimes those of jobs that have ended, so reads and cancels reach real
 rows and a followed stream always ends.
+
+A second, smaller run holds the schema to its word (schema-valid requests accepted, schema-invalid ones
+refused), and direct tests pin the rules the schema once left unstated.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import hypothesis
+import jsonschema_rs
 import pytest
 import requests
 import schemathesis
@@ -28,6 +34,8 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     ignored_auth,
+    negative_data_rejection,
+    positive_data_acceptance,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
@@ -35,6 +43,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_roots
 
+OWNER = "fuzz-owner-7f3a"
 TOKEN = fixed_key("fuzz")  # an admin key of its own owner, stored in the fuzzed API's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 QUEUE = "fuzz-parked"  # no worker serves it
@@ -52,9 +61,11 @@ def fuzz_api(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with fresh_database() as database:
         # Its own owner: no generated owner name (quotas, key filters) is likely to be it. No quota by default,
         # so generated submits are not cut off at the default's 100 (a 429 would be schema-valid, but dull).
-        add_key(database, TOKEN, owner="fuzz-owner-7f3a")
+        add_key(database, TOKEN, owner=OWNER)
+        # Loopback webhook receivers are allowed, so a schema-valid URL on 127.0.0.1 passes the address rules.
         proc = ApiProcess({"FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_QUOTA_MAX_ACTIVE_JOBS": "",
-                           "FT_ENV": "production", **make_roots(base)}, base / "api.log")
+                           "FT_ENV": "production", "FT_WEBHOOK_ALLOW_NETS": "127.0.0.0/8", **make_roots(base)},
+                          base / "api.log")
         try:
             yield proc.start()
         finally:
@@ -143,3 +154,236 @@ def fuzz_operation(op: schemathesis.APIOperation, mode: GenerationMode, examples
         case.validate_response(response, checks=CHECKS, headers=AUTH)
 
     one()
+
+
+# -- the schema says what the server enforces --
+
+# schema-valid requests accepted (2xx, or a 404/409/429 that depends on state), schema-invalid ones refused.
+CONFORMANCE: list[CheckFunction] = [positive_data_acceptance, negative_data_rejection, status_code_conformance,
+                                    content_type_conformance, response_schema_conformance]
+CONFORMANCE_EXAMPLES = 25  # per operation and mode: about 800 requests
+# Rules of a job no JSON schema can state: between fields (the batch arithmetic, pipeline and offload rules) and
+# about the cluster. A schema-valid job may get a 422 naming one of these, and only these.
+CROSS_FIELD = ("hyperparameters.", "deepspeed.", "resources.pipeline_stages", "resources.num_gpus",
+               "resources.num_nodes", "lora", "data.validation_fraction", "model.trust_remote_code")
+
+
+@pytest.fixture(scope="module")
+def webhook_secret(fuzz_api: ApiProcess) -> None:
+    """The fuzz owner's signing secret: a job may name a webhook URL only once its owner has one."""
+    with httpx.Client(base_url=fuzz_api.url, headers=AUTH, timeout=30) as c:
+        assert c.put(f"/owners/{OWNER}/webhook", json={}).status_code == 200
+
+
+def _loopback(url: Any) -> Any:
+    # Where a schema-valid URL points is the resolver's business, not the schema's: aim it at an allowed address.
+    if not isinstance(url, str):
+        return url
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, "127.0.0.1" + (f":{parts.port}" if parts.port else ""), parts.path,
+                       parts.query, ""))
+
+
+def settle(case: schemathesis.Case, ended: list[str], key_id: str) -> None:
+    """Gives a schema-valid case the state its rules depend on (the schema states every other rule): files that
+    exist, a parked queue, a cursor that names a real row, an expiry in the future, a callable webhook host."""
+    body, query = case.body, case.query
+    for params in (case.query, case.headers):
+        for name in [n for n, v in (params or {}).items() if v is None]:
+            del params[name]  # an optional parameter's `null` is its absence: no header or query value is null
+    if isinstance(body, dict) and isinstance(body.get("data"), dict):
+        body["model"] = "tiny"
+        body["data"] = {**body["data"], "train": "train.txt"}
+        body["data"].pop("validation", None)
+        _park(body)
+        if isinstance(body.get("notifications"), dict):
+            body["notifications"]["webhook_url"] = _loopback(body["notifications"].get("webhook_url"))
+    if isinstance(body, dict) and case.operation.path == "/owners/{owner}/webhook":
+        body["url"] = _loopback(body.get("url"))
+    if isinstance(body, dict) and body.get("expires_at") is not None:
+        body["expires_at"] = (datetime.now(timezone.utc) + timedelta(days=30)).isoformat()
+    if isinstance(query, dict) and query.get("after") is not None and case.operation.path in ("/jobs", "/keys"):
+        query["after"] = ended[0] if case.operation.path == "/jobs" else key_id
+        if "owner" in query:
+            query["owner"] = OWNER  # the cursor must be a row the filtered listing shows
+
+
+# What Postgres cannot store, in any string (a NUL, a lone surrogate), and the size, depth and key limits of the
+# free-form JSON (metadata, deepspeed.config): the field descriptions say so, the schema's keywords cannot.
+UNSTATABLE = ("NUL character", "surrogate", "bytes of JSON", "levels deep", "keys per object", "has an object with")
+
+
+def beyond_the_schema(case: schemathesis.Case, response: requests.Response) -> bool:
+    """A 422 for a rule no JSON Schema keyword states: cross-field rules of a job, and the storage rules."""
+    if response.status_code != 422:
+        return False
+    problems = response.json()["error"].get("details") or []
+    job = case.method == "POST" and case.operation.path == "/jobs"
+    return bool(problems) and all(any(m in p["message"] for m in UNSTATABLE)
+                                  or (job and p["field"].startswith(CROSS_FIELD)) for p in problems)
+
+
+def test_schema_and_server_agree(fuzz_api: ApiProcess, ended_jobs: list[str], webhook_secret: None) -> None:
+    schema = schemathesis.openapi.from_url(fuzz_api.url + "/openapi.json")
+    with httpx.Client(base_url=fuzz_api.url, headers=AUTH, timeout=30) as c:
+        key_id = c.get("/keys", params={"owner": OWNER}).json()["data"][0]["id"]
+
+    @schema.hook("flatmap_path_parameters")
+    def real_ids(_: Any, params: dict[str, Any] | None) -> st.SearchStrategy[dict[str, Any] | None]:
+        if not params or "job_id" not in params:
+            return st.just(params)
+        return st.sampled_from([params["job_id"], *ended_jobs]).map(lambda job_id: {**params, "job_id": job_id})
+
+    session = requests.Session()
+    failures: list[str] = []
+    counts: list[int] = []
+    for op in (result.ok() for result in schema.get_all_operations()):
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            # Negative cases for bodies only: unknown query parameters and headers are ignored, as HTTP has it,
+            # and the generator counts one as a violation.
+            if mode is GenerationMode.NEGATIVE and not op.body:
+                continue
+            try:
+                conform(op, mode, session, counts, settle_as=(ended_jobs, key_id))
+            except BaseException as exc:  # every operation's disagreement (a FailureGroup), not the first one's
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                failures.append(f"{op.label} [{mode.value}]: {str(exc)[:3000]}")
+    print(f"\nconformance: {len(counts)} requests")
+    assert not failures, "\n\n".join(failures) + "\n\nAPI log:\n" + fuzz_api.log()[-5000:]
+    assert len(counts) >= 400, len(counts)
+
+
+def conform(op: schemathesis.APIOperation, mode: GenerationMode, session: requests.Session, counts: list[int], *,
+            settle_as: tuple[list[str], str]) -> None:
+    @hypothesis.seed(0)
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=CONFORMANCE_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    def one(case: schemathesis.Case) -> None:
+        if mode is GenerationMode.POSITIVE:
+            settle(case, *settle_as)
+        response = case.call(session=session, headers=AUTH, timeout=15)
+        counts.append(response.status_code)
+        if beyond_the_schema(case, response):
+            return
+        case.validate_response(response, checks=CONFORMANCE, headers=AUTH)
+
+    one()
+
+
+def _error(r: httpx.Response, status: int, field: str) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["field"] == field, error
+    return str(error["message"])
+
+
+@pytest.fixture(scope="module")
+def api(fuzz_api: ApiProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fuzz_api.url, headers=AUTH, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("body", "field"), [({"max_gpus": False}, "max_gpus"), ({"max_gpus": True}, "max_gpus"),
+                                             ({"max_active_jobs": True}, "max_active_jobs"),
+                                             ({"max_gpus": "3"}, "max_gpus"), ({"max_gpus": 2.5}, "max_gpus")])
+def test_a_quota_is_a_number_not_a_boolean(api: httpx.Client, body: dict[str, Any], field: str) -> None:
+    _error(api.put("/owners/strict-quota/quota", json=body), 422, field)
+    # Nothing was stored: the owner still runs on the defaults, not on a quota of 0 GPUs.
+    assert api.get("/owners/strict-quota/quota").json()["set"] == {"max_active_jobs": None, "max_gpus": None}
+    assert api.put("/owners/strict-quota/quota", json={field: 0}).json()["set"][field] == 0
+    assert api.put("/owners/strict-quota/quota", json={}).status_code == 200
+
+
+JOB = {"model": "tiny", "data": {"train": "train.txt"}, "resources": {"queue": QUEUE}}
+
+
+@pytest.mark.parametrize(("section", "name", "value"), [
+    ("resources", "num_gpus", True), ("resources", "priority", "5"), ("hyperparameters", "learning_rate", True),
+    ("hyperparameters", "learning_rate", "1e-4"), ("hyperparameters", "max_steps", "10"),
+    ("hyperparameters", "micro_batch_size", True), ("deepspeed", "zero_stage", True),
+    ("resources", "num_nodes", "2"), ("deepspeed", "activation_checkpointing", 1), ("data", "packing", "yes"),
+    ("checkpointing", "keep_last", True), ("lora", "rank", True)])
+def test_a_job_field_takes_only_its_own_type(api: httpx.Client, section: str, name: str, value: Any) -> None:
+    job = {**JOB, section: {**JOB.get(section, {}), name: value}}
+    if section == "data":
+        job["data"] = {"train": "train.txt", name: value}
+    _error(api.post("/jobs", params={"dry_run": "true"}, json=job), 422, f"{section}.{name}")
+
+
+def test_what_the_schema_documents_beyond_one_type_is_accepted(api: httpx.Client) -> None:
+    # true/false for an offload and a bare model name are in the schema, and so they work.
+    spec = api.get("/openapi.json").json()["components"]["schemas"]
+    offload = spec["DeepSpeedOptions"]["properties"]["offload_optimizer"]["anyOf"]
+    assert any(s.get("type") == "boolean" for s in offload)
+    assert any(s.get("type") == "string" for s in spec["JobSpec"]["properties"]["model"]["anyOf"])
+    r = api.post("/jobs", params={"dry_run": "true"}, json={**JOB, "deepspeed": {"offload_optimizer": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["job"]["request"]["deepspeed"]["offload_optimizer"] == "cpu"  # true, as the server reads it
+
+
+def test_a_405_lists_every_method_of_its_path(api: httpx.Client, ended_jobs: list[str]) -> None:
+    paths = api.get("/openapi.json").json()["paths"]
+    values = {"job_id": ended_jobs[0], "owner": "allow-owner", "key_id": "key_0000000000000000"}
+    checked = 0
+    for template, operations in paths.items():
+        documented = {m.upper() for m in operations}
+        path = template.format(**values)
+        for method in sorted({"GET", "POST", "PUT", "PATCH", "DELETE"} - documented):
+            r = api.request(method, path)
+            assert r.status_code == 405, (method, path, r.text)
+            assert set(r.headers["allow"].split(", ")) == documented, (method, path, r.headers["allow"])
+            assert r.json()["error"]["code"] == "method_not_allowed"
+            checked += 1
+    assert checked >= 50, checked
+
+
+def _parameter(paths: dict[str, Any], path: str, method: str, name: str) -> dict[str, Any]:
+    return next(p for p in paths[path][method]["parameters"] if p["name"] == name)["schema"]
+
+
+def _string_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in schema.get("anyOf", [schema]) if s.get("type") == "string")
+
+
+def test_schema_and_server_agree_on_cursors_resume_points_expiries_and_urls(
+        api: httpx.Client, ended_jobs: list[str], webhook_secret: None) -> None:
+    """For each rule the schema once left unstated: the schema's own verdict on a value (checked with a JSON
+    Schema validator) is the server's. `ok` values are schema-valid and accepted; the others are refused by both."""
+    spec = api.get("/openapi.json").json()
+    paths, components = spec["paths"], spec["components"]["schemas"]
+    key_id = api.get("/keys", params={"owner": OWNER}).json()["data"][0]["id"]
+    future = (datetime.now(timezone.utc) + timedelta(days=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cases: list[tuple[dict[str, Any], Any, bool, Any]] = [
+        # (schema, value, schema-valid and accepted, the request)
+        *[(_string_schema(_parameter(paths, "/jobs", "get", "after")), v, ok, ("GET", "/jobs", {"after": v}, None))
+          for v, ok in ((ended_jobs[0], True), ("job_nope", False), ("abc", False), ("JOB_" + "0" * 20, False))],
+        *[(_string_schema(_parameter(paths, "/keys", "get", "after")), v, ok, ("GET", "/keys", {"after": v}, None))
+          for v, ok in ((key_id, True), ("key_1", False), ("k" * 40, False))],
+        *[(_string_schema(_parameter(paths, "/jobs/{job_id}/events", "get", "Last-Event-ID")), v, ok,
+           ("GET", f"/jobs/{ended_jobs[0]}/events", None, {"Last-Event-ID": v}))
+          for v, ok in (("", True), ("0", True), ("2147483647", True), ("0002147483", True), ("2147483648", False),
+                        ("9999999999", False), ("-1", False))],
+        *[(_string_schema(components["KeyCreate"]["properties"]["expires_at"]), v, ok,
+           ("POST", "/keys", None, {"owner": "x", "scopes": ["jobs:read"], "expires_at": v}))
+          for v, ok in ((future, True), (future.rstrip("Z"), False), (future[:10], False), ("1893456000", False))],
+        *[(_string_schema(components["OwnerWebhookSet"]["properties"]["url"]), v, ok,
+           ("PUT", "/owners/agree-owner/webhook", None, {"url": v}))
+          for v, ok in (("http://127.0.0.1:9/hook?x=1", True), ("HTTPS://127.0.0.1/", True),
+                        ("ftp://127.0.0.1/", False), ("http://127.0.0.1/#x", False), ("http://127.0.0.1:0/", False),
+                        ("http://127.0.0.1/ä", False), ("http://127.0.0.1:65536/", False), ("http:///x", False))],
+    ]
+    for schema, value, ok, (method, path, params, payload) in cases:
+        validator = jsonschema_rs.Draft202012Validator(schema, validate_formats=True)
+        assert validator.is_valid(value) is ok, (path, value, schema)
+        if method == "GET":
+            r = api.get(path, params=params, headers=payload)
+        else:
+            r = api.request(method, path, json=payload)
+        assert (r.status_code < 300) is ok, (method, path, value, r.text)
+        if not ok:
+            assert r.status_code == 422, r.text
+    # A number where a date-time is meant: the schema says string, and the server no longer takes Unix time.
+    _error(api.post("/keys", json={"owner": "x", "scopes": ["jobs:read"], "expires_at": 1893456000}), 422,
+           "expires_at")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -16,7 +17,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -141,12 +145,94 @@ Metadata = Annotated[dict[str, Any], _json_object_check(METADATA_MAX_BYTES, META
                                                          METADATA_MAX_KEY_CHARS)]
 RawConfig = Annotated[dict[str, Any], _json_object_check(RAW_CONFIG_MAX_BYTES, RAW_CONFIG_MAX_DEPTH,
                                                           RAW_CONFIG_MAX_KEYS)]
-Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Beta = Annotated[StrictFloat, Field(ge=0.0, lt=1.0)]
+# What LoraSpec._module_names enforces (with its own message), as the schema states it.
+ModuleNames = Annotated[list[str], WithJsonSchema({"type": "array", "minItems": 1, "maxItems": 64,
+                                                   "items": {"type": "string", "minLength": 1, "maxLength": 200}})]
+
+
+def _integer(v: Any) -> Any:
+    # pydantic's lax int takes true for 1 and "5" for 5, which the schema's `integer` does not; 2.0 it may take,
+    # as JSON Schema does (a number with no fraction is an integer).
+    if isinstance(v, (bool, str)):
+        raise ValueError(f"must be an integer, got {type(v).__name__}")
+    return v
+
+
+@cache
+def integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields typed int (or int | None, or int | "auto")."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if f.annotation is int or int in get_args(f.annotation))
+
+
+def refuse_lax_integers(model: type[BaseModel], data: Any) -> Any:
+    """`data` with each boolean or string given for an integer field made one pydantic's int refuses too (its lax
+    mode takes true for 1 and "5" for 5; the schema's `integer` takes neither). Done on the raw object, not in
+    the field's type, so that ge/le stay `minimum`/`maximum` in the schema; the 422 names the field."""
+    if not isinstance(data, dict):
+        return data
+    bad = {name: data[name] for name in integer_fields(model)
+           if isinstance(data.get(name), (bool, str)) and data[name] != "auto"}
+    return {**data, **{name: f"{json.dumps(v)} (a {type(v).__name__}, not an integer)" for name, v in bad.items()}}
+
+
+def _offload_from_bool(v: Any) -> Any:
+    # `true`/`false` are what people write first; map them onto the explicit device names.
+    if v is True:
+        return "cpu"
+    if v is False or v is None:
+        return "none"
+    return v
+
+
+ZeroStage = Annotated[Literal[0, 1, 2, 3], BeforeValidator(_integer)]
+Offload = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_offload_from_bool), WithJsonSchema({"anyOf": [
+    {"type": "string", "enum": ["none", "cpu", "nvme"]},
+    {"type": "boolean", "description": "true: cpu, false: none"}, {"type": "null", "description": "none"}]})]
+
+# RFC 3986's IPv6address, the bracketed host of a URL; it agrees with what ipaddress (and so urllib) accepts.
+_H16 = "[0-9A-Fa-f]{1,4}"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LS32 = f"(?:{_H16}:{_H16}|{_OCTET}(?:\\.{_OCTET}){{3}})"
+_IPV6 = "(?:" + "|".join([
+    f"(?:{_H16}:){{6}}{_LS32}", f"::(?:{_H16}:){{5}}{_LS32}", f"(?:{_H16})?::(?:{_H16}:){{4}}{_LS32}",
+    *(f"(?:(?:{_H16}:){{0,{n - 1}}}{_H16})?::(?:{_H16}:){{{5 - n}}}{_LS32}" for n in (2, 3, 4)),
+    f"(?:(?:{_H16}:){{0,4}}{_H16})?::{_LS32}", f"(?:(?:{_H16}:){{0,5}}{_H16})?::{_H16}",
+    f"(?:(?:{_H16}:){{0,6}}{_H16})?::"]) + ")"
+_PORT = "(?:0*[1-9][0-9]{0,3}|0*[1-5][0-9]{4}|0*6[0-4][0-9]{3}|0*65[0-4][0-9]{2}|0*655[0-2][0-9]|0*6553[0-5])"
+# A URL the service can call back, as the schema states it: http(s), a host (a name or an address, IPv6 in
+# brackets), a port from 1 to 65535 if any, printable ASCII only (percent-encode the rest) and no #fragment
+# (it is never sent). Every URL it matches is one urllib splits into exactly these parts; the API then checks
+# where the host resolves.
+WEBHOOK_URL_PATTERN = (
+    "^[Hh][Tt][Tt][Pp][Ss]?://(?:[A-Za-z0-9._~%!$&'()*+,;=:-]*@)?"
+    f"(?:\\[{_IPV6}\\]|[A-Za-z0-9._~%!$&'()*+,;=-]+)(?::{_PORT}?)?"
+    '(?:[/?][!"$-~]*)?$')
+_WEBHOOK_URL = re.compile(WEBHOOK_URL_PATTERN)
+
+
+def _webhook_url(v: str) -> str:
+    if not v.lower().startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL")
+    if not _WEBHOOK_URL.fullmatch(v):
+        raise ValueError("must be an http(s) URL with a host, a port from 1 to 65535 if any, only printable ASCII "
+                         "(percent-encode the rest) and no #fragment")
+    return v
+
+
+WebhookUrl = Annotated[str, Field(min_length=1, max_length=2048, json_schema_extra={"pattern": WEBHOOK_URL_PATTERN}),
+                       AfterValidator(_webhook_url)]
 
 
 class _Strict(BaseModel):
     # NaN and Infinity are refused: Postgres JSONB cannot hold them and no training knob means them.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers(cls, data: Any) -> Any:
+        return refuse_lax_integers(cls, data)
 
 
 class ModelSpec(_Strict):
@@ -155,7 +241,7 @@ class ModelSpec(_Strict):
     # PATH_MAX: the API rewrites a local model to its absolute path, which the trainer validates again.
     name_or_path: Text = Field(min_length=1, max_length=MAX_PATH_CHARS)
     revision: Text | None = Field(default=None, min_length=1, max_length=200)
-    trust_remote_code: bool = False
+    trust_remote_code: StrictBool = False
     init: Literal["pretrained", "random"] = Field(
         default="pretrained", description="random: the model's config with freshly initialised weights")
     attn_implementation: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
@@ -172,22 +258,22 @@ class DataSpec(_Strict):
                         description="Training file, a path under the data root")
     validation: Text | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
                                     description="Validation file, a path under the data root")
-    validation_fraction: float = Field(default=0.0, ge=0.0, lt=0.5)
+    validation_fraction: StrictFloat = Field(default=0.0, ge=0.0, lt=0.5)
     format: Literal["text", "jsonl", "chat"] = "text"
     text_field: Text = Field(default="text", min_length=1, max_length=200, description="JSONL field holding the text")
-    packing: bool = True
+    packing: StrictBool = True
 
 
 class Hyperparameters(_Strict):
     max_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
-    epochs: float = Field(default=1.0, gt=0, le=1000)
-    learning_rate: float = Field(default=1e-4, gt=0, le=1.0)
+    epochs: StrictFloat = Field(default=1.0, gt=0, le=1000)
+    learning_rate: StrictFloat = Field(default=1e-4, gt=0, le=1.0)
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
-    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
-    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_lr_ratio: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    weight_decay: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.95), description="Each from 0 up to (not including) 1")
-    gradient_clipping: float = Field(default=1.0, ge=0.0, le=1_000_000.0, description="0 turns clipping off")
+    gradient_clipping: StrictFloat = Field(default=1.0, ge=0.0, le=1_000_000.0, description="0 turns clipping off")
     global_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     micro_batch_size: int | Literal["auto"] = Field(default="auto", description=f'1 to {MAX_BATCH}, or "auto"')
     seq_len: int = Field(default=2048, ge=8, le=131_072)
@@ -209,13 +295,13 @@ class Hyperparameters(_Strict):
 
 
 class DeepSpeedOptions(_Strict):
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    zero_stage: ZeroStage = 2
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
-    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    offload_optimizer: Offload = "none"
+    offload_param: Offload = "none"
     nvme_path: Text | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
                                    description="Directory under the NVMe root for offload")
-    activation_checkpointing: bool = False
+    activation_checkpointing: StrictBool = False
     compile: Literal["auto", "on", "off"] = Field(
         default="auto", description="torch.compile: for Llama-family models the RMSNorm, rotary and SwiGLU math where "
                                     "Liger's kernels do not already fuse it, for other models each transformer block "
@@ -228,16 +314,6 @@ class DeepSpeedOptions(_Strict):
                     f"resolved.notes; at most {RAW_CONFIG_MAX_BYTES} "
                     f"bytes of JSON, nested at most {RAW_CONFIG_MAX_DEPTH} levels, at most {RAW_CONFIG_MAX_KEYS} "
                     "keys per object")
-
-    @field_validator("offload_optimizer", "offload_param", mode="before")
-    @classmethod
-    def _bool_offload(cls, v: Any) -> Any:
-        # `true`/`false` are what people write first; map them onto the explicit device names.
-        if v is True:
-            return "cpu"
-        if v is False or v is None:
-            return "none"
-        return v
 
     @model_validator(mode="after")
     def _param_offload_needs_stage3(self) -> DeepSpeedOptions:
@@ -286,11 +362,11 @@ class Checkpointing(_Strict):
 
 class LoraSpec(_Strict):
     rank: int = Field(default=8, ge=1, le=1024)
-    alpha: float = Field(default=16.0, gt=0, le=65_536.0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    alpha: StrictFloat = Field(default=16.0, gt=0, le=65_536.0)
+    dropout: StrictFloat = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: ModuleNames | Literal["all-linear"] = Field(
         default="all-linear", description="1 to 64 module names of 1 to 200 characters each, or all-linear")
-    merge_on_export: bool = False
+    merge_on_export: StrictBool = False
 
     @field_validator("target_modules")
     @classmethod
@@ -309,25 +385,25 @@ class LoraSpec(_Strict):
 class Notifications(_Strict):
     """Whom the service tells about the job. The API's alone (api/webhooks.py): the trainer ignores it."""
 
-    webhook_url: Text | None = Field(
-        default=None, min_length=1, max_length=2048,
+    webhook_url: WebhookUrl | None = Field(
+        default=None,
         description="An http(s) URL the service POSTs each state change and committed checkpoint to, signed with "
                     "the owner's webhook secret (README, Webhooks); its host must resolve to public addresses only, "
                     "unless the operator allows a range; null: the owner's default URL, if one is set")
 
-    @field_validator("webhook_url")
-    @classmethod
-    def _http_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.lower().startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
-        return v
+
+def _or_model_name(schema: dict[str, Any]) -> None:
+    # A bare string is read as {"name_or_path": ...} (JobSpec._model_from_string); the schema says so.
+    spec = {k: schema.pop(k) for k in ("$ref", "allOf") if k in schema}
+    schema["anyOf"] = [spec, {"type": "string", "minLength": 1, "maxLength": MAX_PATH_CHARS,
+                              "description": "The same as {\"name_or_path\": ...}"}]
 
 
 class JobSpec(_Strict):
     """What a client sends in `POST /jobs` (and what `python -m trainer` runs from)."""
 
     name: Text = Field(default="", max_length=200)
-    model: ModelSpec
+    model: ModelSpec = Field(json_schema_extra=_or_model_name)
     data: DataSpec
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions)

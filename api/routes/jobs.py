@@ -13,13 +13,12 @@ from pydantic import StringConstraints
 from api import feeds, reads
 from api.access import Principal, Scope
 from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, scoped
-from api.errors import ApiError, ErrorCode, invalid, responses
+from api.errors import ApiError, ErrorCode, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import idempotency, webhooks
 from api.services import jobs as service
 from api.services.estimate import DryRun
-from trainer.dsconfig import FieldError
 
 # Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
 COMMON = (401, 403, 413, 422, 503)
@@ -38,6 +37,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # job_events.seq is a Postgres INTEGER: a larger cursor can match nothing, and Postgres refuses to compare it.
 MAX_SEQ = 2**31 - 1
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
+# What `POST /jobs` makes (api/services/jobs.py new_id): a list cursor is one of those, or it cannot match.
+JOB_ID_PATTERN = r"^job_[0-9a-f]{20}$"
+# An event id from 0 to MAX_SEQ (leading zeros allowed, at most 10 digits), or empty: the header's whole rule.
+LAST_EVENT_ID_PATTERN = (r"^(?:[0-9]{0,9}|[01][0-9]{9}|20[0-9]{8}|21[0-3][0-9]{7}|214[0-6][0-9]{6}|2147[0-3][0-9]{5}"
+                         r"|21474[0-7][0-9]{4}|214748[0-2][0-9]{3}|2147483[0-5][0-9]{2}|21474836[0-3][0-9]"
+                         r"|214748364[0-7])$")
 
 JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job id, as `POST /jobs` returned it")]
 Cursor = Annotated[int, Query(ge=0, le=MAX_SEQ, description="Events after this id (0: from the start)")]
@@ -83,8 +88,8 @@ async def list_jobs(caller: CallerDep,
                     owner: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
                         "Only this owner's jobs (admin; other keys see only their own owner's)"))] = None,
                     limit: Annotated[int, Query(ge=1, le=200)] = 20,
-                    after: Annotated[str | None, Query(pattern=ID_PATTERN,
-                                                       description="The last id of the previous page")] = None,
+                    after: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description=(
+                        "The last id of the previous page: a job the caller can see (another is a 422)"))] = None,
                     ) -> Response:
     """The caller's owner's jobs, newest first; an admin sees every owner's (or one's, with `owner`)."""
     if not caller.admin:
@@ -115,14 +120,14 @@ async def job_events(request: Request, job_id: JobId, caller: CallerDep, after: 
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                      type: Annotated[list[EventType] | None, Query(max_length=20,
                                                                    description="Only these event types")] = None,
-                     last_event_id: Annotated[str | None, Header(
-                         alias="Last-Event-ID", pattern=r"^[0-9]{0,10}$",
-                         description="SSE resume point (an event id; empty: none); wins over `after`")] = None,
+                     # Not nullable: a header is present or not, and an empty one means none.
+                     last_event_id: Annotated[str, Header(
+                         alias="Last-Event-ID", pattern=LAST_EVENT_ID_PATTERN,
+                         description=f"SSE resume point (an event id from 0 to {MAX_SEQ}; empty: none); wins over "
+                                     "`after`")] = "",
                      ) -> Response:
     """A JSON page after a cursor, or with `Accept: text/event-stream` a live SSE stream."""
     if last_event_id:
-        if int(last_event_id) > MAX_SEQ:
-            raise invalid([FieldError("Last-Event-ID", f"must be an event id from 0 to {MAX_SEQ}")])
         after = int(last_event_id)
     owner = owner_of(caller)
     if "text/event-stream" in request.headers.get("accept", ""):

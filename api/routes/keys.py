@@ -17,6 +17,8 @@ from api.services import keys as service
 router = APIRouter(prefix="/keys", tags=["keys"], route_class=StrictJSONRoute,
                    responses=responses(401, 403, 413, 422, 503))
 KEY_ID = r"^[A-Za-z0-9_-]{1,40}$"
+# What `POST /keys` makes (api/services/keys.py new_id): a list cursor is one of those, or it cannot match.
+KEY_ID_PATTERN = r"^key_[0-9a-f]{16}$"
 ADMIN = scoped(Scope.ADMIN)
 
 
@@ -32,8 +34,8 @@ def create_key(body: KeyCreate, session: SessionDep, caller: CallerDep) -> dict[
 def list_keys(session: SessionDep,
               owner: Annotated[str | None, Query(pattern=OWNER_PATTERN)] = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
-              after: Annotated[str | None, Query(pattern=KEY_ID, description="The last id of the previous page")]
-              = None) -> dict[str, Any]:
+              after: Annotated[str | None, Query(pattern=KEY_ID_PATTERN, description=(
+                  "The last id of the previous page (an id that is no key's is a 422)"))] = None) -> dict[str, Any]:
     """Every key (revoked ones too), newest first, without secrets."""
     return service.listing(session=session, owner=owner, limit=limit, after=after)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import re
 from typing import Any
@@ -52,7 +53,11 @@ def check_key(value: str) -> str:
 
 def request_hash(request: dict[str, Any]) -> bytes:
     """The body as parsed, with sorted keys: a retry that re-serialises the same JSON differently is the same."""
-    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
+    try:
+        text = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # an integer beyond 64 bits (metadata may hold one): the standard library writes any int
+        text = json.dumps(request, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+    return hashlib.sha256(text).digest()
 
 
 class Replay(Exception):
