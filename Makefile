@@ -30,8 +30,10 @@ demo: install
 up: install
 	$(PY) -m scripts.stack
 
-## Start one more node's worker against a running stack (how a GPU node joins): FT_NODE_NAME (unique per
-## node), FT_NODE_SLOTS (default: its GPUs, 2 on a CPU-only node), FT_QUEUES (the queues it serves).
+## Start one more node's worker against a running stack (how a GPU node joins): FT_NODE_NAME (one per worker;
+## the default, the host name, is `make up`'s on this host, e.g. FT_NODE_NAME=gpu-2 make worker: a worker under
+## a name a live worker holds refuses to start), FT_NODE_SLOTS (default: its GPUs, 2 on a CPU-only node),
+## FT_QUEUES (the queues it serves).
 worker: install
 	$(PY) -m worker
 

@@ -154,7 +154,13 @@ def main() -> int:
     stack.start_api()
     stack.start_controlplane()
     stack.start_worker(node=os.environ.get("FT_NODE_NAME") or socket.gethostname())
-    stack.wait_ready()
+    try:
+        stack.wait_ready()
+    except (RuntimeError, TimeoutError) as exc:
+        # e.g. the worker refused a node name another live worker on this host holds (its log says which)
+        print(exc, file=sys.stderr)
+        stack.stop()
+        return 1
     print(f"API on {stack.api_url} (docs at {stack.api_url}/docs); logs in {stack.log_dir}; Ctrl-C stops all.",
           flush=True)
     if settings.development:

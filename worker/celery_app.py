@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_ready, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 from kombu.transport import redis as kombu_redis
 
-from worker.node import Announcer, NodeSettings, describe, own_queue_only
+from worker.node import Announcer, NameTaken, NodeSettings, describe, own_queue_only
 from worker.settings import WorkerSettings
 
 settings = WorkerSettings()
@@ -39,16 +43,40 @@ app.conf.update(
 _announcer: Announcer | None = None
 
 
+EXIT_NAME_TAKEN = 3  # the node's name is held by another live worker (nothing was consumed)
+
+
+def _leave_node(holder: str) -> None:
+    # Another worker holds the name now and consumes the node's queue: this one must stop taking its jobs.
+    # SIGTERM is a deploy's warm shutdown: running jobs (already fenced, their leases lapsed) are handed back.
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @celeryd_after_setup.connect
 def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
-    """Before the worker consumes anything: its queues become the node's served queues, and it takes tasks
-    only from the node's own queue, where the control plane sends exactly what fits the node's slots."""
+    """Before the worker consumes anything: it takes the node's name (or exits: another live worker has
+    it), its queues become the node's served queues, and it takes tasks only from the node's own queue,
+    where the control plane sends exactly what fits the node's slots."""
     global _announcer
     node = NodeSettings()
     served = own_queue_only(instance.app.amqp.queues, node.name)
     record = describe(node, served, jobs_max=int(getattr(instance, "concurrency", 1) or 1))
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-    _announcer = Announcer(client, record, heartbeat=settings.heartbeat_seconds, ttl=settings.lease_ttl_seconds)
+    announcer = Announcer(client, record, heartbeat=settings.heartbeat_seconds, ttl=settings.lease_ttl_seconds,
+                          on_lost=_leave_node)
+    while True:
+        try:
+            announcer.claim()
+            break
+        except NameTaken as exc:
+            print(f"error: {exc}", file=sys.__stderr__, flush=True)
+            # Celery stops the worker with this code; no consumer, pool thread or heartbeat has started.
+            raise SystemExit(EXIT_NAME_TAKEN) from None
+        except redis.RedisError as exc:
+            # As the broker connection does on startup: wait for Redis rather than fail.
+            logging.getLogger(__name__).warning("cannot claim node name %r yet: %s", node.name, exc)
+            time.sleep(settings.heartbeat_seconds)
+    _announcer = announcer
     if record["jobs_max"] < record["slots"]:
         logging.getLogger(__name__).warning(
             "node %s offers %d slots but its pool runs %d job(s) at once: start it with `python -m worker` "
@@ -66,6 +94,13 @@ def _drain(**_: Any) -> None:
     # A deploy: the node takes no new placements; its running jobs are released and requeued elsewhere.
     if _announcer is not None:
         _announcer.drain()
+
+
+@worker_shutdown.connect
+def _release_name(**_: Any) -> None:
+    # The pool has finished (its jobs handed back): the name is free for a worker restarted under it.
+    if _announcer is not None:
+        _announcer.release()
 
 
 # -- a broker outage must not end the worker -----------------------------------------------------------

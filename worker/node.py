@@ -5,6 +5,13 @@ renews every heartbeat) and never touches Postgres: the control plane copies the
 `nodes` table and places jobs on them (api/scheduler.py). A node whose key expired is lost and receives
 nothing. The worker consumes only its node's own Celery queue (`node.<name>`); the queues given with
 `-Q` are what it announces it serves, so a node joins with the same command line as before.
+
+A node's name belongs to one worker process at a time: everything downstream (its queue, its slots, the
+placements and multi-node hostfiles that name it) takes the name for one worker. The worker claims the name
+(`ft:node:<name>:holder`, its own instance id, with the same TTL) before it consumes anything; a second worker
+that finds the name held by a live one refuses to start. Only the holder renews the claim and writes the
+announcement, both in one script, so a worker that lost its name (frozen past the TTL while another took it)
+can never announce over the new holder.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import shutil
 import socket
 import subprocess
 import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,29 +98,127 @@ def describe(settings: NodeSettings, queues: list[str], jobs_max: int) -> dict[s
             "addr": settings.addr}
 
 
-class Announcer:
-    """Renews the node's key every heartbeat; on shutdown announces it as draining (placed on no more)."""
+def claim_key(name: str) -> str:
+    """Which worker process holds the node's name. Only workers read it (the control plane reads the
+    announcement), and a name cannot contain ':', so it never reads as another node's key."""
+    return f"{node_key(name)}:holder"
 
-    def __init__(self, client: redis.Redis, record: dict[str, Any], *, heartbeat: float, ttl: float) -> None:
+
+def instance_id() -> str:
+    """This worker process, told apart from an earlier process that had the same pid (host:pid:random)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+# Take or renew the claim (absent: taken, e.g. after Redis lost its data or a freeze outlived the TTL; ours:
+# renewed) and, while announcing, write the announcement in the same step. Returns the holder when another
+# process holds the name, nil otherwise. One script, so two workers claiming at once cannot both win.
+_BEAT = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return holder end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  redis.call('SADD', KEYS[3], ARGV[4])
+end
+return false
+"""
+# Let go of the claim only if it is still ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class NameTaken(Exception):
+    """Another live worker holds the node's name."""
+
+    def __init__(self, name: str, holder: str, ttl: float) -> None:
+        self.name, self.holder, self.ttl = name, holder, ttl
+        super().__init__(
+            f"node name {name!r} is held by a live worker ({holder}): a second worker under the same name would "
+            f"share its queue and slots, so this one does not start. Give this worker a name of its own, e.g. "
+            f"FT_NODE_NAME={name}-2 make worker (or python -m worker). If that worker is gone (killed), its claim "
+            f"lapses {ttl:g} s (FT_LEASE_TTL_SECONDS) after its last heartbeat: start this one again then.")
+
+
+class Announcer:
+    """Holds the node's name for this process (`claim`), then renews its key every heartbeat; on shutdown
+    announces it as draining (placed on no more) and, once the worker has stopped, lets the name go."""
+
+    def __init__(self, client: redis.Redis, record: dict[str, Any], *, heartbeat: float, ttl: float,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.r, self.record, self.heartbeat, self.ttl = client, record, heartbeat, ttl
+        self.instance = instance_id()
+        # Called once, from the heartbeat thread, with the holder's id when another process took the name.
+        self.on_lost = on_lost
+        self.lost: str | None = None
+        self._lost_lock = threading.Lock()  # drain() beats from Celery's thread beside the heartbeat's
+        self._announcing = False
+        self._released = False
+        self._beat = client.register_script(_BEAT)
+        self._release = client.register_script(_RELEASE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-heartbeat", daemon=True)
 
-    def start(self) -> None:
-        self.beat()
+    @property
+    def name(self) -> str:
+        return str(self.record["name"])
+
+    def claim(self) -> None:
+        """Take the name, or raise NameTaken; from here on the heartbeat keeps it (nothing is announced yet).
+        Redis errors propagate: the caller decides whether to wait for Redis."""
+        holder = self._renew()
+        if holder is not None:
+            raise NameTaken(self.name, holder, self.ttl)
         self._thread.start()
+
+    def start(self) -> None:
+        """Announce the node (after `claim`): from now on the control plane may place jobs on it."""
+        self._announcing = True
+        self.beat()
 
     def drain(self) -> None:
         self.record = {**self.record, "draining": True}
         self.beat()
 
     def beat(self) -> None:
+        if self._released:
+            return  # a beat now would take the name again
         try:
-            name = self.record["name"]
-            (self.r.pipeline(transaction=False).set(node_key(name), json.dumps(self.record), px=int(self.ttl * 1000))
-             .sadd(NODES_SET, name).execute())
+            holder = self._renew()
         except redis.RedisError as exc:
             log.warning("node heartbeat failed: %s", exc)
+            return
+        if holder is None:
+            return
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = holder
+        self._stop.set()
+        log.error("node name %r was taken by another worker (%s) while this one's claim had lapsed: this "
+                  "worker no longer announces the node", self.name, holder)
+        if self.on_lost is not None:
+            self.on_lost(holder)
+
+    def release(self) -> None:
+        """Stop renewing and let the name go, if still ours: a worker restarted under it need not wait a TTL."""
+        self._released = True
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.heartbeat + 5)
+        try:
+            self._release(keys=[claim_key(self.name)], args=[self.instance])
+        except redis.RedisError as exc:
+            log.warning("could not release node name %r (it lapses in %g s): %s", self.name, self.ttl, exc)
+
+    def _renew(self) -> str | None:
+        if self.lost is not None:
+            return self.lost
+        record = json.dumps(self.record) if self._announcing else ""
+        holder = self._beat(keys=[claim_key(self.name), node_key(self.name), NODES_SET],
+                            args=[self.instance, int(self.ttl * 1000), record, self.name])
+        return None if holder is None else holder.decode() if isinstance(holder, bytes) else str(holder)
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat):
