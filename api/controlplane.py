@@ -21,7 +21,7 @@ from api.deliverer import Deliverer
 from api.dispatcher import Dispatcher
 from api.ingest import Ingester, first_line, transient
 from api.reaper import Reaper, RedisLossWatch
-from api.settings import get_settings
+from api.settings import settings_or_exit
 
 log = logging.getLogger("controlplane")
 
@@ -39,7 +39,7 @@ def describe(exc: BaseException) -> str:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = get_settings()
+    settings = settings_or_exit("control plane")
     # Blocking reads wait at most loop_interval; a timeout well above that means the connection is dead.
     timeout = max(5.0, 4 * settings.loop_interval_seconds)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)

@@ -11,29 +11,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import ValidationError
 
 from api import errors, heap, pg
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
 from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
 from api.services import idempotency
-from api.settings import ApiSettings, get_settings
+from api.settings import ApiSettings, get_settings, settings_or_exit
 
 log = logging.getLogger(__name__)
-
-
-def load_settings() -> ApiSettings:
-    """The settings, or exit with what is wrong: a misconfigured API must not start and answer 500s."""
-    try:
-        return get_settings()
-    except ValidationError as exc:
-        problems = []
-        for e in exc.errors():
-            where = ".".join(str(p) for p in e.get("loc", ()))
-            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-            problems.append(f"FT_{where.upper()}: {msg}" if where else msg)
-        raise SystemExit("the API cannot start: " + "; ".join(problems)) from None
 
 
 # Any key with the admin scope that works now.
@@ -75,7 +61,7 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
-    settings = settings or load_settings()
+    settings = settings or settings_or_exit("API")
     app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")

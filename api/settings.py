@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -131,3 +131,17 @@ class ApiSettings(BaseSettings):
 @lru_cache
 def get_settings() -> ApiSettings:
     return ApiSettings()
+
+
+def settings_or_exit(program: str) -> ApiSettings:
+    """The settings, or exit naming each setting that is wrong: a misconfigured process must not start, and
+    one line per problem tells an operator more than a traceback."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()))
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            problems.append(f"FT_{where.upper()}: {msg}" if where else msg)
+        raise SystemExit(f"the {program} cannot start: " + "; ".join(problems)) from None

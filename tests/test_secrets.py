@@ -213,6 +213,8 @@ def test_production_without_a_usable_key_refuses_to_start(program: str, value: s
     code, out = run_briefly(argv, env, seconds=30)
     assert code is not None and code != 0, f"{program} started ({time.monotonic() - started:.0f} s):\n{out[-2000:]}"
     assert secretbox.SETTING in out and "api.secretbox new-key" in out, out[-2000:]
+    # One line per problem, not a traceback an operator has to read through.
+    assert "cannot start" in out and "Traceback" not in out, out[-2000:]
     assert value is None or value.split(",")[-1] not in out  # the key itself is never printed
 
 

@@ -72,6 +72,12 @@ def node_key(name: str) -> str:
     return f"ft:node:{name}"
 
 
+def node_holder_key(name: str) -> str:
+    """The one live worker that holds the node's name (its instance id), with the same TTL: a second worker under
+    that name refuses to start, so two processes never consume one node's queue."""
+    return f"{node_key(name)}:holder"
+
+
 def node_queue(name: str) -> str:
     """The Celery queue only this node's worker consumes: the control plane sends it the jobs it placed there."""
     return NODE_QUEUE_PREFIX + name

@@ -33,7 +33,7 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainer.names import NODES_SET, node_key, node_queue
+from trainer.names import NODES_SET, node_holder_key, node_key, node_queue
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +96,6 @@ def describe(settings: NodeSettings, queues: list[str], jobs_max: int) -> dict[s
     return {"name": settings.name, "kind": kind, "slots": slots, "devices": devices, "queues": queues,
             "jobs_max": jobs_max, "worker": f"{socket.gethostname()}:{os.getpid()}", "draining": False,
             "addr": settings.addr}
-
-
-def claim_key(name: str) -> str:
-    """Which worker process holds the node's name. Only workers read it (the control plane reads the
-    announcement), and a name cannot contain ':', so it never reads as another node's key."""
-    return f"{node_key(name)}:holder"
 
 
 def instance_id() -> str:
@@ -208,7 +202,7 @@ class Announcer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.heartbeat + 5)
         try:
-            self._release(keys=[claim_key(self.name)], args=[self.instance])
+            self._release(keys=[node_holder_key(self.name)], args=[self.instance])
         except redis.RedisError as exc:
             log.warning("could not release node name %r (it lapses in %g s): %s", self.name, self.ttl, exc)
 
@@ -216,7 +210,7 @@ class Announcer:
         if self.lost is not None:
             return self.lost
         record = json.dumps(self.record) if self._announcing else ""
-        holder = self._beat(keys=[claim_key(self.name), node_key(self.name), NODES_SET],
+        holder = self._beat(keys=[node_holder_key(self.name), node_key(self.name), NODES_SET],
                             args=[self.instance, int(self.ttl * 1000), record, self.name])
         return None if holder is None else holder.decode() if isinstance(holder, bytes) else str(holder)
 
