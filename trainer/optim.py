@@ -23,8 +23,9 @@ the job schema refuses that combination (trainer/dsconfig.optimizer_problems).
 
 Why no 8-bit AdamW (torchao, bitsandbytes): with bf16 master weights its block-quantised moments would save 2 more
 bytes per parameter (4 -> 2 of ~10 on the GPU), for a dependency on every node and state that ZeRO's checkpoints
-and partitioning do not know. bf16 state already trains the Llama-3.1-8B shape without offload at ~59% MFU and fits
-14.1 B on one H200 (bench/RESULTS.md).
+and partitioning do not know. bf16 state already trains the Llama-3.1-8B shape without offload at ~59% MFU
+(attention counted over the whole row; ~56% counting 6N alone: trainer/flops.py) and fits 14.1 B on one H200
+(bench/RESULTS.md).
 """
 
 from __future__ import annotations
