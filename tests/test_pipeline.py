@@ -299,3 +299,34 @@ def test_stages_compute_the_models_forward(family: str, single_process_group: No
         changed = pipe((other, pos))
     torch.testing.assert_close(changed[0, 10:], got[0, 10:], rtol=0, atol=1e-5)
     assert not torch.allclose(changed[0, :10], got[0, :10])
+
+
+@pytest.mark.parametrize(("family", "builder"), [("llama", "create_causal_mask"),
+                                                 ("mistral", "create_sliding_window_causal_mask")])
+def test_stages_build_the_mask_once_per_micro_batch(family: str, builder: str, single_process_group: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' mask builders read a value back to the host (whether the rows pack several documents): on a
+    GPU each call is a wait for the device. The model's forward builds its mask once; so must the stages, once per
+    micro batch, not once per decoder layer. The real builder runs, counted."""
+    import transformers.masking_utils as masking
+
+    from trainer.pipeline import build
+
+    real = getattr(masking, builder)
+    calls: list[torch.Tensor] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["position_ids"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(masking, builder, counted)  # before build: each decoder layer picks its builder there
+    model = _family_model(family)
+    pipe = build(model, 1, "parameters")  # one stage: embedding, 3 decoder layers, norm, head
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    micro_batches = [torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1),
+                     torch.arange(24).expand(2, -1)]
+    with torch.no_grad():
+        for pos in micro_batches:
+            pipe((ids, pos))
+    assert len(calls) == len(micro_batches), f"{len(calls)} mask builds for 2 micro batches of 3 decoder layers"
+    assert all(c is p for c, p in zip(calls, micro_batches, strict=True))

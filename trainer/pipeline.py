@@ -1,9 +1,12 @@
 """Pipeline parallelism (`resources.pipeline_stages` > 1): a Hugging Face decoder as DeepSpeed pipeline stages.
 
 The model's own modules are reused as pipeline layers: the embedding, each decoder layer, the final norm and
-the LM head. Between stages travel (hidden states, position ids[, attention mask]): every decoder layer
-rebuilds its causal mask and rotary embedding from the position ids exactly as the model's forward does, so a
-packed row's documents stay apart and the stages compute what the whole model computes. The loss of a micro
+the LM head. Between stages travel (hidden states, position ids[, attention mask]). The first decoder layer of
+each stage builds the micro batch's causal mask(s) and rotary embedding from the position ids with the model's
+own functions, as the model's forward does once per forward, and hands them to the stage's other decoder layers
+(`Shared`), so a packed row's documents stay apart, the stages compute what the whole model computes, and the
+host waits for the device once per micro batch and stage (building a mask reads back whether the rows pack
+several documents), not once per layer. The loss of a micro
 batch is the summed next-token cross entropy times a scale the trainer chooses, the same objective as
 trainer/recipe.py's plain loop. Export maps each stage's layers back to their Hugging Face names.
 """
@@ -29,7 +32,7 @@ from trainer.data import IGNORE, BatchOrder, Blocks
 from trainer.errors import ModelLoadError
 from trainer.stages import family_problem
 
-Inputs = tuple[torch.Tensor, ...]
+Inputs = tuple[Any, ...]  # tensors; inside a stage, a decoder layer's output also carries its Shared
 TIED_KEY = "embed"
 
 
@@ -60,6 +63,37 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
+class Shared:
+    """What every decoder layer needs for one micro batch apart from its own weights: the attention masks (one per
+    mask function the stage's layers use) and the rotary embedding, each made once, by the first layer that asks.
+
+    The model's forward builds them once per forward; a layer building its own would wait for the device once per
+    layer, since transformers' mask functions read back to the host whether the rows pack several documents. It
+    travels inside a stage only: the stage's last decoder layer leaves it out of the tuple sent to the next stage
+    (only tensors cross), which builds its own from the position ids that cross.
+    """
+
+    def __init__(self, config: Any, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        self.config = config
+        self.position_ids = position_ids
+        self.attention_mask = attention_mask
+        self.masks: dict[Callable[..., Any], Any] = {}
+        self.position_embeddings: Any = None
+
+    def mask(self, function: Callable[..., Any], hidden: torch.Tensor) -> Any:
+        # The mask depends on `hidden` only through its batch size, length, dtype and device: the same for every
+        # decoder layer of the micro batch.
+        if function not in self.masks:
+            self.masks[function] = function(self.config, hidden, self.attention_mask, None,
+                                            position_ids=self.position_ids)
+        return self.masks[function]
+
+    def rotary(self, rotary: nn.Module, hidden: torch.Tensor) -> Any:
+        if self.position_embeddings is None:
+            self.position_embeddings = rotary(hidden, self.position_ids)
+        return self.position_embeddings
+
+
 class DecoderPipe(nn.Module):
     """One decoder layer of the model, with the mask and rotary embedding its model's forward would give it."""
 
@@ -70,16 +104,21 @@ class DecoderPipe(nn.Module):
         self.config = config
         self.index = index
         self.mask_function = _mask_function(config, index)
+        # Whether this is its stage's last decoder layer (`build` sets it): that one sends only tensors on. True is
+        # always correct, only slower: each layer would then build the masks again.
+        self.last_in_stage = True
 
     def forward(self, inputs: Inputs) -> Inputs:
         hidden, position_ids, *rest = inputs
+        shared = rest.pop() if rest and isinstance(rest[-1], Shared) else None
         attention_mask = rest[0] if rest else None
-        mask = self.mask_function(self.config, hidden, attention_mask, None, position_ids=position_ids)
-        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
-                         position_embeddings=self.rotary(hidden, position_ids), use_cache=False)
+        if shared is None:  # the stage's first decoder layer: a new micro batch
+            shared = Shared(self.config, position_ids, attention_mask)
+        out = self.layer(hidden, attention_mask=shared.mask(self.mask_function, hidden), position_ids=position_ids,
+                         position_embeddings=shared.rotary(self.rotary, hidden), use_cache=False)
         if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
             out = out[0]
-        return (out, position_ids, *rest)
+        return (out, position_ids, *rest) if self.last_in_stage else (out, position_ids, *rest, shared)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         return {f"model.layers.{self.index}.{k}": v for k, v in self.layer.state_dict().items()}
@@ -162,6 +201,10 @@ def build(model: nn.Module, stages: int, partition: str) -> PipelineModule:
                                tied_weight_attr=["embed_tokens.weight"])
                  if tied else LayerSpec(HeadPipe, model.lm_head))
     pipe = PipelineModule(layers=specs, num_stages=stages, loss_fn=TokenLoss(), partition_method=partition)
+    # This stage's decoder layers (a contiguous run) share one Shared per micro batch; the last one ends it.
+    decoders = [layer for layer in pipe.forward_funcs if isinstance(layer, DecoderPipe)]
+    for layer in decoders[:-1]:
+        layer.last_in_stage = False
     # The specs hold the whole model; only this stage's layers are needed from here on (host memory).
     for spec in pipe._layer_specs:
         spec.module_args = ()
