@@ -1,5 +1,5 @@
 # Every target works on a fresh machine with Python 3.10+, PostgreSQL and Redis running.
-# Addresses and paths come from FT_* variables (see README); the defaults suit one machine.
+# Addresses and paths come from FT_* variables (docs/configuration.md); the defaults suit one machine.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

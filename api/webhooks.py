@@ -212,7 +212,7 @@ def signature(secret: str, timestamp: int, body: bytes) -> str:
 
 def verify(secret: str, header: str, body: bytes, *, tolerance: float = TOLERANCE_SECONDS,
            now: float | None = None) -> bool:
-    """What a receiver does (the README shows the same in a few lines): the signature matches this body and
+    """What a receiver does (docs/webhooks.md shows the same in a few lines): the signature matches this body and
     secret, and its timestamp is recent, so a captured delivery cannot be replayed later."""
     try:
         fields = dict(part.split("=", 1) for part in header.split(","))
