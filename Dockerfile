@@ -7,6 +7,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCH_CUDA_ARCH_LIST="8.0;9.0"
 RUN apt-get update && apt-get install -y --no-install-recommends libaio-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY contract contract
 COPY api api
 COPY worker worker
 COPY trainer trainer

@@ -10,8 +10,8 @@ import redis
 from celery import Celery
 
 from api.settings import get_settings
-from trainer.names import RUN_JOB, attempt_key, lease_key, node_queue
-from trainer.spec import GangMember, NodeShare, RunPaths, RunSpec
+from contract.protocol import RUN_JOB, attempt_key, lease_key, node_queue
+from contract.spec import GangMember, NodeShare, RunPaths, RunSpec
 
 
 @lru_cache

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
-from trainer.dsconfig import FieldError, SpecError
+from contract.problems import FieldError, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _message(e: dict[str, Any]) -> str:
     if kind == "json_invalid":
         return f"is not valid JSON: {(e.get('ctx') or {}).get('error', 'decode error')}"
     if kind == "int_parsing" and str(e.get("input")).endswith(", not an integer)"):
-        # A boolean or string for an integer, as trainer.spec.refuse_lax_integers marked it.
+        # A boolean or string for an integer, as contract.spec.refuse_lax_integers marked it.
         return f"must be an integer, got {str(e.get('input')).rsplit(' (', 1)[0]}"
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
     expected = (e.get("ctx") or {}).get("expected")

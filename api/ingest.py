@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from api.db import session_scope
 from api.models import TERMINAL, Job, JobEvent
 from api.services import events
-from trainer.names import EVENTS_STREAM, INGEST_GROUP
+from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from api import pg
 from api.errors import ApiError, ErrorCode, invalid
 from api.jobcache import JobCache
 from api.settings import get_settings
-from trainer.dsconfig import FieldError
+from contract.problems import FieldError
 
 # Progress keys every reader may rely on, null until the trainer reports them.
 PROGRESS_DEFAULTS = ('\'{"step": 0, "total_steps": null, "epoch": null, "loss": null, '

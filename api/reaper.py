@@ -25,10 +25,10 @@ from api.models import ACTIVE, Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now
 from api.settings import ApiSettings
-from trainer.names import (
+from contract.codes import FailureCode
+from contract.protocol import (
     EVENTS_STREAM,
     INGEST_GROUP,
-    FailureCode,
     attempt_key,
     cancel_key,
     lease_key,

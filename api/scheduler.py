@@ -40,7 +40,7 @@ from api.db import session_scope
 from api.models import UNFINISHED, Job
 from api.services import events
 from api.settings import ApiSettings
-from trainer.names import NODES_SET, lease_key, node_key
+from contract.protocol import NODES_SET, lease_key, node_key
 
 log = logging.getLogger(__name__)
 

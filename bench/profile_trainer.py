@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from bench.run_trainer import build_run
-from trainer.spec import RunSpec
+from contract.spec import RunSpec
 
 # Kernel names to the parts of a step they belong to; the first matching pattern wins.
 KINDS = (

@@ -25,8 +25,8 @@ from typing import Any
 
 from bench.shapes import model_config
 from bench.synthetic import write_documents, write_model_dir, write_stdlib_text
-from trainer.dsconfig import ResolveLimits, resolve
-from trainer.spec import JobSpec, RunSpec
+from contract.deepspeed import ResolveLimits, resolve
+from contract.spec import JobSpec, RunSpec
 
 PEAK = 989e12
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from trainer.dsconfig import DANGEROUS_KEYS, SpecError, resolve
-from trainer.spec import MAX_BATCH, JobSpec
+from contract.deepspeed import DANGEROUS_KEYS, resolve
+from contract.problems import SpecError
+from contract.spec import MAX_BATCH, JobSpec
 
 
 def _job(config: dict[str, Any] | None = None, *, num_gpus: int = 1, **sections: Any) -> JobSpec:
@@ -354,7 +355,7 @@ def test_no_scheduler_block_is_rendered() -> None:
 
 
 def test_divisor_search_matches_brute_force() -> None:
-    from trainer.dsconfig import _divisors_desc
+    from contract.deepspeed.batch import _divisors_desc
 
     for n in [*range(1, 400), 720_720, 999_983, 1_000_000]:
         assert _divisors_desc(n) == [d for d in range(n, 0, -1) if n % d == 0], n
@@ -393,27 +394,27 @@ def test_raw_batch_fields_above_the_bound_are_refused_with_it() -> None:
 
 def test_field_table_matches_the_installed_deepspeed() -> None:
     # The API reads the checked-in table; rebuilding it from DeepSpeed's models must give the same table, so an
-    # upgrade of DeepSpeed fails here until `python -m trainer.dsfields_gen` is run and the policies reviewed.
-    from trainer import dsfields
-    from trainer.dsfields_gen import build, render_table
+    # upgrade of DeepSpeed fails here until `python -m contract.deepspeed.fields_gen` is run and the policies reviewed.
+    from contract.deepspeed import fields
+    from contract.deepspeed.fields_gen import build, render_table
 
-    assert render_table(build()) == dsfields.TABLE_PATH.read_text()
+    assert render_table(build()) == fields.TABLE_PATH.read_text()
 
 
 def test_every_top_level_key_deepspeed_reads_has_a_policy() -> None:
-    from trainer import dsconfig, dsfields
+    from contract.deepspeed import fields, policy
 
-    policies = (set(dsconfig.DANGEROUS_KEYS) | set(dsconfig.UNRUN_TOP) | dsconfig.MERGED_TOP
-                | set(dsconfig.PASSTHROUGH_KINDS) | dsconfig.PASSTHROUGH_SECTIONS | set(dsconfig.IGNORED_TOP)
-                | set(dsfields.table()["top_level_aliases"]))
-    assert dsfields.top_level_keys() - policies == set()
+    policies = (set(policy.DANGEROUS_KEYS) | set(policy.UNRUN_TOP) | policy.MERGED_TOP
+                | set(policy.PASSTHROUGH_KINDS) | policy.PASSTHROUGH_SECTIONS | set(policy.IGNORED_TOP)
+                | set(fields.table()["top_level_aliases"]))
+    assert fields.top_level_keys() - policies == set()
 
 
 def test_the_api_side_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, trainer.dsconfig; assert not {'torch', 'deepspeed'} & set(sys.modules), 'imported'"
+    code = "import sys, contract.deepspeed; assert not {'torch', 'deepspeed'} & set(sys.modules), 'imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
@@ -550,7 +551,7 @@ RENDERED_PROBLEMS: list[dict[str, Any]] = [
 def test_submit_time_check_refuses_what_deepspeeds_parser_refuses(index: int) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from trainer.dsfields import check_rendered
+    from contract.deepspeed.fields import check_rendered
 
     cfg = RENDERED_PROBLEMS[index]
     assert check_rendered(cfg, 1), cfg

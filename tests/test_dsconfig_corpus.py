@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from trainer import dsfields
-from trainer.dsconfig import DANGEROUS_KEYS, SpecError, resolve
-from trainer.spec import JobSpec, ResolvedJob
+from contract.deepspeed import DANGEROUS_KEYS, fields, resolve
+from contract.problems import SpecError
+from contract.spec import JobSpec, ResolvedJob
 
 pytest.register_assert_rewrite("tests.trainer_support")
 
@@ -80,16 +80,16 @@ def _known(field: str) -> bool:
     """Whether DeepSpeed knows the field an error names (deepspeed.config.<path>)."""
     parts = field.removeprefix("deepspeed.config.").split(".")
     key, section = parts[-1], ".".join(parts[:-1])
-    t = dsfields.table()
+    t = fields.table()
     if not section:
-        return key in dsfields.top_level_keys() or key in t["inert_top_level"] or key in t["removed"][""]
-    if dsfields.has_section(section):
-        return dsfields.lookup(section, key) is not None or dsfields.removed(section, key) is not None
+        return key in fields.top_level_keys() or key in t["inert_top_level"] or key in t["removed"][""]
+    if fields.has_section(section):
+        return fields.lookup(section, key) is not None or fields.removed(section, key) is not None
     if section == "optimizer.params":
         return key in t["adam_defaults"] or key in t["adam_extra_params"] or key == "max_grad_norm"
     if section == "scheduler.params":
         return any(key in params or key == "total_num_steps" for params in t["schedulers"].values())
-    return key in dsfields.dict_section_keys(section) or key == "params"
+    return key in fields.dict_section_keys(section) or key == "params"
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _silent_changes(original: dict[str, Any], rendered: dict[str, Any], notes: l
                 and not (b or {}).get("enabled"):
             continue  # neither side trains in that precision: its loss-scaling settings do nothing
         if attr == "optimizer_params":
-            adam = {k: dsfields.table()["adam_defaults"][k] for k in ("lr", "betas", "eps", "weight_decay")}
+            adam = {k: fields.table()["adam_defaults"][k] for k in ("lr", "betas", "eps", "weight_decay")}
             if a is not None and {**adam, **a} == b:
                 continue  # the rendered config writes out DeepSpeed's own defaults
         if attr == "zero_config":

@@ -1,4 +1,5 @@
-"""Fuzzing of raw DeepSpeed configs, generated from DeepSpeed's own field table (trainer/deepspeed_fields.json).
+"""Fuzzing of raw DeepSpeed configs, generated from DeepSpeed's own field table
+(contract/deepspeed/deepspeed_fields.json).
 
 The schema fuzzer (tests/test_fuzz_api.py) never writes a DeepSpeed config: the API's schema says only "an
 object" there. Here every field DeepSpeed reads (the top-level keys, every field of its config models, the keys of
@@ -30,10 +31,10 @@ from pydantic import ValidationError
 
 from api.services.estimate import estimate
 from api.services.jobs import to_json
+from contract.deepspeed import fields, policy, resolve
+from contract.problems import SpecError
+from contract.spec import JobSpec
 from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_roots
-from trainer import dsconfig, dsfields
-from trainer.dsconfig import SpecError, resolve
-from trainer.spec import JobSpec
 
 KEY = fixed_key("dsfuzz")
 QUEUE = "dsfuzz-parked"  # no worker serves it: submitted jobs stay queued
@@ -53,20 +54,20 @@ WRONG_TYPES: list[Any] = ["", "x", "auto", "AUTO", "16", "true", "1e14", [], [1,
                           {"x": None}, True, False, None]
 POOL = EXTREMES + WRONG_TYPES
 
-# The service's own bound on a raw field, by where the field sits (trainer/dsconfig.py).
-SERVICE_KINDS: dict[str, dict[str, dsconfig.Kind]] = {
-    "": dsconfig.PASSTHROUGH_KINDS, "zero_optimization": dsconfig.ZERO_KINDS,
-    "zero_optimization.offload_optimizer": dsconfig.OFFLOAD_KINDS,
-    "zero_optimization.offload_param": dsconfig.OFFLOAD_KINDS, "fp16": dsconfig.FP16_KINDS,
-    "activation_checkpointing": dsconfig.ACTIVATION_CKPT_KINDS, "aio": dsconfig.AIO_KINDS,
-    "optimizer.params": dsconfig.OPTIMIZER_KINDS, "scheduler.params": dsconfig.SCHEDULER_KINDS,
+# The service's own bound on a raw field, by where the field sits (contract/deepspeed/policy.py).
+SERVICE_KINDS: dict[str, dict[str, policy.Kind]] = {
+    "": policy.PASSTHROUGH_KINDS, "zero_optimization": policy.ZERO_KINDS,
+    "zero_optimization.offload_optimizer": policy.OFFLOAD_KINDS,
+    "zero_optimization.offload_param": policy.OFFLOAD_KINDS, "fp16": policy.FP16_KINDS,
+    "activation_checkpointing": policy.ACTIVATION_CKPT_KINDS, "aio": policy.AIO_KINDS,
+    "optimizer.params": policy.OPTIMIZER_KINDS, "scheduler.params": policy.SCHEDULER_KINDS,
 }
 # What a field's section needs around it to be read at all: an enabled dangerous block is refused before its
 # fields are looked at, an offload block is read for its device, parameter offload needs stage 3.
 CONTEXT: dict[str, dict[str, Any]] = {
     "zero_optimization.offload_optimizer": {"device": "cpu"},
     "zero_optimization.offload_param": {"device": "cpu"},
-    **{s: {"enabled": False} for s in dsconfig.DANGEROUS_KEYS},
+    **{s: {"enabled": False} for s in policy.DANGEROUS_KEYS},
 }
 
 Slot = tuple[tuple[str, ...], dict[str, Any], list[float]]  # the field's path, its context, its bounds
@@ -82,7 +83,7 @@ def _edges(bounds: list[float]) -> list[Any]:
     return out
 
 
-def _bounds(spec: dict[str, Any] | None, kind: dsconfig.Kind | None) -> list[float]:
+def _bounds(spec: dict[str, Any] | None, kind: policy.Kind | None) -> list[float]:
     found = [spec[b] for b in ("ge", "gt", "le", "lt") if spec and b in spec]
     if kind is not None and kind.type in ("int", "number", "size"):
         found += [kind.lo, kind.hi]
@@ -102,14 +103,14 @@ def _wrap(section: str, key: str, value: Any, context: dict[str, Any]) -> dict[s
 
 def slots() -> list[tuple[str, str, dict[str, Any], list[float]]]:
     """Every field DeepSpeed reads, as (section, key, context, bounds)."""
-    t = dsfields.table()
+    t = fields.table()
     out: list[tuple[str, str, dict[str, Any], list[float]]] = []
     tops = set(t["top_level"]) | set(t["top_level_aliases"]) | set(t["inert_top_level"]) | set(t["removed"][""])
     for key in sorted(tops):
-        out.append(("", key, {}, _bounds(None, dsconfig.PASSTHROUGH_KINDS.get(key))))
-    for section, fields in t["models"].items():
+        out.append(("", key, {}, _bounds(None, policy.PASSTHROUGH_KINDS.get(key))))
+    for section, section_fields in t["models"].items():
         kinds = SERVICE_KINDS.get(section, {})
-        for name, spec in fields.items():
+        for name, spec in section_fields.items():
             for alias in spec["names"]:
                 out.append((section, alias, CONTEXT.get(section, {}), _bounds(spec, kinds.get(spec["field"])
                                                                               or kinds.get(name))))
@@ -120,10 +121,10 @@ def slots() -> list[tuple[str, str, dict[str, Any], list[float]]]:
         for key in keys:
             out.append((section, key, CONTEXT.get(section, {}), _bounds(None, kinds.get(key))))
     for key in [*t["adam_defaults"], *t["adam_extra_params"]]:
-        out.append(("optimizer.params", key, {}, _bounds(None, dsconfig.OPTIMIZER_KINDS.get(key))))
+        out.append(("optimizer.params", key, {}, _bounds(None, policy.OPTIMIZER_KINDS.get(key))))
     for scheduler, params in t["schedulers"].items():
         for key in [*params, "total_num_steps"]:
-            out.append((f"scheduler.params.{scheduler}", key, {}, _bounds(None, dsconfig.SCHEDULER_KINDS.get(key))))
+            out.append((f"scheduler.params.{scheduler}", key, {}, _bounds(None, policy.SCHEDULER_KINDS.get(key))))
     return out
 
 

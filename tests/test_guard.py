@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from contract.protocol import attempt_key, lease_key
 from tests.helpers import free_port, wait_for
-from trainer.names import attempt_key, lease_key
 
 OWNER = "test-worker:1"
 

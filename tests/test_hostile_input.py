@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
+from contract.spec import RAW_CONFIG_MAX_BYTES, json_problem
 from scripts.stack import ROOT
 from tests.apiproc import ApiProcess, TcpProxy, add_key, fixed_key, fresh_database, make_roots
 from tests.helpers import free_port, wait_for
-from trainer.spec import RAW_CONFIG_MAX_BYTES, json_problem
 
 TOKEN = fixed_key("hostile")  # an admin key, stored in the module's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -21,12 +21,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 pytest.register_assert_rewrite("tests.trainer_support")  # its asserts report values, like a test module's
 
+from contract.deepspeed import resolve  # noqa: E402
+from contract.spec import JobSpec  # noqa: E402
 from tests.trainer_support import launch, make_job, of, write_run_spec  # noqa: E402
 from trainer import kernels  # noqa: E402
 from trainer.data import IGNORE, pack  # noqa: E402
-from trainer.dsconfig import resolve  # noqa: E402
 from trainer.kernels import KernelPlan  # noqa: E402
-from trainer.spec import JobSpec  # noqa: E402
 
 # The `corpus` and `tiny_model` fixtures.
 pytest_plugins = ["tests.trainer_support"]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from contract.spec import DeepSpeedOptions
 from tests.trainer_support import REPO, free_port, ops_dir
 from trainer.memory import GiB, HostMemoryError, check_offload_fits, offload_host_bytes, offloaded_share
-from trainer.spec import DeepSpeedOptions
 
 LLAMA8B, LLAMA7B = 8_030_261_248, 7_157_813_248
 # What an H200 node with 128 GiB had available once a rank had loaded its model (bench/RESULTS.md).

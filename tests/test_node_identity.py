@@ -21,9 +21,9 @@ import httpx
 import pytest
 import redis
 
+from contract.protocol import node_key
 from scripts.stack import ROOT, Stack
 from tests.helpers import events_of, wait_for, wait_status
-from trainer.names import node_key
 
 BOOT = 120  # how long a worker may take to start (or refuse) on a busy test machine
 HELD = "is held by a live worker"  # what a refused worker says, with the name it could not take

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.deepspeed import resolve
+from contract.problems import SpecError
+from contract.spec import JobSpec
 from trainer import optim
-from trainer.dsconfig import SpecError, resolve
-from trainer.spec import JobSpec
 
 pytest.register_assert_rewrite("tests.trainer_support")  # its asserts report values, like a test module's
 

@@ -27,6 +27,7 @@ import redis
 
 from api.ingest import _clean, apply_event
 from api.models import Job
+from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
 from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
 from tests.outage_support import (
@@ -37,7 +38,6 @@ from tests.outage_support import (
     stored_events,
     trainer_event_count,
 )
-from trainer.names import EVENTS_STREAM, INGEST_GROUP
 
 ENDED = {"succeeded", "failed", "cancelled"}
 POSTGRES_OUTAGE_SECONDS = 6.0

@@ -155,7 +155,7 @@ def _spec(**resources: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_2_and_3_refused_with_stages(stage: int) -> None:
-    from trainer.spec import JobSpec
+    from contract.spec import JobSpec
 
     with pytest.raises(ValidationError) as info:
         JobSpec.model_validate({**_spec(), "deepspeed": {"zero_stage": stage}})
@@ -165,8 +165,9 @@ def test_zero_2_and_3_refused_with_stages(stage: int) -> None:
 
 
 def test_raw_config_zero_stage_refused_with_stages() -> None:
-    from trainer.dsconfig import SpecError, resolve
-    from trainer.spec import JobSpec
+    from contract.deepspeed import resolve
+    from contract.problems import SpecError
+    from contract.spec import JobSpec
 
     with pytest.raises(SpecError) as info:
         resolve(JobSpec.model_validate({**_spec(), "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}}))
@@ -175,8 +176,8 @@ def test_raw_config_zero_stage_refused_with_stages() -> None:
 
 
 def test_stages_default_to_zero_1_and_split_the_batch_over_data_parallel_ranks() -> None:
-    from trainer.dsconfig import resolve
-    from trainer.spec import JobSpec
+    from contract.deepspeed import resolve
+    from contract.spec import JobSpec
 
     resolved = resolve(JobSpec.model_validate(_spec()))
     assert resolved.spec.deepspeed.zero_stage == 1
@@ -187,7 +188,7 @@ def test_stages_default_to_zero_1_and_split_the_batch_over_data_parallel_ranks()
 
 
 def test_other_pipeline_conflicts_refused() -> None:
-    from trainer.spec import JobSpec
+    from contract.spec import JobSpec
 
     with pytest.raises(ValidationError) as info:
         JobSpec.model_validate({**_spec(num_gpus=3, on_oom="adapt"), "lora": {}})
@@ -201,7 +202,7 @@ def test_other_pipeline_conflicts_refused() -> None:
 def test_unsplittable_family_refused_at_submit(tmp_path: Path, four_layer_model: Path) -> None:
     from api.services.paths import check_locations
     from api.settings import ApiSettings
-    from trainer.spec import JobSpec
+    from contract.spec import JobSpec
 
     models, data = tmp_path / "models", tmp_path / "data"
     data.mkdir()

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import redis
 
+from contract.protocol import NODES_SET, gang_stop_key, node_key
 from tests.helpers import events_of, job_processes, wait_for, wait_status
-from trainer.names import NODES_SET, gang_stop_key, node_key
 
 END = {"succeeded", "failed", "cancelled"}
 

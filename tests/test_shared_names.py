@@ -1,5 +1,6 @@
-"""The API gets the names it shares with the workers (task, Redis keys, stream, error codes) from
-trainer/names.py, never from a worker module, and importing it never imports torch.
+"""The API gets the names it shares with the workers (task, Redis keys, stream, statuses, event kinds, error
+codes) from contract/, never from a worker module, and importing it never imports torch. contract/ itself is
+torch-free and imports nothing of the processes that use it (api, worker, trainer).
 
 Both are checked in a fresh interpreter: this test session itself may well have imported torch already.
 """
@@ -55,25 +56,47 @@ def test_no_api_source_imports_a_worker_module_even_inside_a_function() -> None:
     assert offenders == []
 
 
-def test_the_shared_names_module_imports_only_the_standard_library() -> None:
-    seen = fresh("import json, sys\nbefore = set(sys.modules)\nimport trainer.names\n"
+def test_the_shared_names_modules_import_only_the_standard_library() -> None:
+    seen = fresh("import json, sys\nbefore = set(sys.modules)\nimport contract.protocol, contract.codes\n"
                  "print(json.dumps({'new': sorted(set(sys.modules) - before)}))")
     new = seen["new"]
     assert isinstance(new, list)
-    assert set(new) <= {"trainer", "trainer.names", "enum"}, new
+    assert set(new) <= {"contract", "contract.protocol", "contract.codes", "enum", "collections.abc"}, new
+
+
+# Every module of the contract package imported in one fresh interpreter, then what that pulled in.
+CONTRACT_PROBE = """
+import importlib, json, pkgutil, sys
+import contract
+names = sorted(m.name for m in pkgutil.walk_packages(contract.__path__, "contract."))
+for name in names:
+    importlib.import_module(name)
+print(json.dumps({"imported": names, "loaded": sorted(sys.modules)}))
+"""
+
+
+def test_importing_every_contract_module_imports_no_torch_deepspeed_or_process_module() -> None:
+    seen = fresh(CONTRACT_PROBE)
+    imported, loaded = seen["imported"], seen["loaded"]
+    assert isinstance(imported, list) and isinstance(loaded, list)
+    assert {"contract.spec", "contract.protocol", "contract.codes", "contract.problems", "contract.deepspeed",
+            "contract.deepspeed.fields", "contract.deepspeed.fields_gen", "contract.deepspeed.merge",
+            "contract.deepspeed.batch", "contract.deepspeed.render", "contract.deepspeed.resolver"} <= set(imported)
+    forbidden = {"torch", "deepspeed", "api", "worker", "trainer"}
+    assert sorted(m for m in loaded if m.split(".")[0] in forbidden) == []
 
 
 def test_the_worker_and_the_api_use_the_same_names() -> None:
     # Both sides spell each name through the one module: the objects they hold are the very same.
     seen = fresh("""
 import json
-import api.dispatch, api.ingest, api.reaper, trainer.names as n
+import api.dispatch, api.ingest, api.reaper, contract.protocol as n, contract.codes as c
 import worker.celery_app, worker.publisher, worker.supervisor, worker.tasks
 print(json.dumps({
     "task": api.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
     "stream": api.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
     "keys": api.reaper.lease_key is worker.supervisor.lease_key is n.lease_key,
-    "codes": api.reaper.FailureCode is worker.supervisor.FailureCode is n.FailureCode,
+    "codes": api.reaper.FailureCode is worker.supervisor.FailureCode is c.FailureCode,
     "task_registered": n.RUN_JOB in worker.celery_app.app.tasks,
 }))
 """)

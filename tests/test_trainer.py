@@ -225,9 +225,9 @@ def test_chat_labels_only_assistant_turns(tiny_model: Path, with_template: bool)
 def test_data_errors_name_file_and_line(tmp_path: Path, tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
+    from contract.spec import DataSpec, RunPaths
     from trainer.data import load_blocks
     from trainer.errors import DataError
-    from trainer.spec import DataSpec, RunPaths
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     paths = RunPaths(job_dir=str(tmp_path), checkpoint_dir=str(tmp_path), output_dir=str(tmp_path))

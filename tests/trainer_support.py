@@ -67,8 +67,8 @@ def free_port() -> int:
 
 
 def write_run_spec(tmp: Path, job: dict[str, Any], *, job_dir: Path | None = None) -> Path:
-    from trainer.dsconfig import resolve
-    from trainer.spec import JobSpec, RunPaths, RunSpec
+    from contract.deepspeed import resolve
+    from contract.spec import JobSpec, RunPaths, RunSpec
 
     job_dir = job_dir or tmp / "job"
     resolved = resolve(JobSpec.model_validate(job))

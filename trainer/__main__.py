@@ -10,10 +10,10 @@ import argparse
 import sys
 import traceback
 
+from contract.codes import FailureCode
+from contract.spec import RunSpec
 from trainer.errors import Interrupted, TrainerError
 from trainer.events import emit
-from trainer.names import FailureCode
-from trainer.spec import RunSpec
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 143

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from contract.spec import DataSpec, RunPaths
 from trainer.errors import DataError
-from trainer.spec import DataSpec, RunPaths
 
 IGNORE = -100
 Document = Any  # a str for text/jsonl, a list of {role, content} for chat

@@ -29,10 +29,10 @@ from typing import Any
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from contract.codes import FailureCode
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
 from trainer.fence import Fence
-from trainer.names import FailureCode
 
 TOPOLOGY_FILE = "topology.json"
 UNIVERSAL_DIR = "universal"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.names import FailureCode
+from contract.codes import FailureCode
 
 
 class TrainerError(Exception):

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from contract.spec import JobSpec
 from trainer.events import emit_rank0
 from trainer.fence import Fence
-from trainer.spec import JobSpec
 
 COMPLETE = "COMPLETE"
 

@@ -17,8 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
+from contract.codes import FailureCode
 from trainer.errors import TrainerError
-from trainer.names import FailureCode
 
 FENCE_FILE = "FENCE"
 STAGING = re.compile(r"^\.(?:[a-z]+-)?attempt-(\d+)$")

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from contract.spec import ResolvedJob
 from trainer.data import IGNORE
-from trainer.spec import ResolvedJob
 
 # Model types whose modules have the Llama layout the patches below rely on: RMSNorm with `variance_epsilon`,
 # an MLP of gate/up/down projections, and a module-level `apply_rotary_pos_emb(q, k, cos, sin)`.

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from contract.codes import FailureCode
+from contract.spec import DeepSpeedOptions
 from trainer.errors import TrainerError
-from trainer.names import FailureCode
-from trainer.spec import DeepSpeedOptions
 
 GiB = 2**30
 

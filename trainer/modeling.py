@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from contract.spec import JobSpec, RunPaths
 from trainer.errors import ModelLoadError
-from trainer.spec import JobSpec, RunPaths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

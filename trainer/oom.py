@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.spec import ResolvedJob
+from contract.spec import ResolvedJob
 
 # Optimizer steps from an attempt's start (or its resume) during which an out-of-memory error adapts.
 ADAPT_STEPS = 2
@@ -63,7 +63,7 @@ def initial(job: ResolvedJob, micro: int, accum: int) -> MemorySetting:
 
 def can_offload(job: ResolvedJob) -> bool:
     ds = job.spec.deepspeed
-    # DeepSpeed offloads only its own optimizer, and only from a ZeRO stage (trainer/dsconfig.optimizer_problems).
+    # DeepSpeed offloads only its own optimizer, and only from a ZeRO stage (contract.deepspeed.optimizer_problems).
     return ds.zero_stage >= 1 and job.spec.hyperparameters.optimizer == "adamw" and job.spec.lora is None
 
 

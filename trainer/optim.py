@@ -19,7 +19,7 @@ per sub-group at stage 3) and calls `step()` on them; their dtype is bf16 when t
 weights. A partition holds up to every parameter of the model (8 B elements for an 8B model on one GPU), so the
 update runs over chunks of CHUNK elements: fp32 temporaries of a whole partition would need more memory than the
 state saved. With optimizer offload DeepSpeed insists on its own CPU Adam (`zero_force_ds_cpu_optimizer`), so
-the job schema refuses that combination (trainer/dsconfig.optimizer_problems).
+the job schema refuses that combination (contract.deepspeed.optimizer_problems).
 
 Why no 8-bit AdamW (torchao, bitsandbytes): with bf16 master weights its block-quantised moments would save 2 more
 bytes per parameter (4 -> 2 of ~10 on the GPU), for a dependency on every node and state that ZeRO's checkpoints
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from trainer.spec import ResolvedJob
+from contract.spec import ResolvedJob
 
 # Elements per chunk of the update: 64 Mi elements keep the fp32 temporaries near 1.5 GiB.
 CHUNK = 1 << 26

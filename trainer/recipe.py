@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from contract.spec import ResolvedJob, RunSpec
 from trainer import checkpoint, elastic, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
@@ -26,7 +27,6 @@ from trainer.events import emit_rank0
 from trainer.fence import Fence
 from trainer.modeling import load_model, load_tokenizer, model_location
 from trainer.schedule import scheduler_factory
-from trainer.spec import ResolvedJob, RunSpec
 
 # Dense bf16 peak FLOP/s per device, for MFU (trainer/flops.py says what each figure counts); an unknown device
 # reports the figures null rather than a guess.

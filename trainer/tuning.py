@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from contract.spec import ResolvedJob
 from trainer import optim
-from trainer.spec import ResolvedJob
 
 # What a GPU may hold beyond the probe's own peak: allocator fragmentation, NCCL and DeepSpeed buffers.
 HEADROOM_FRACTION = 0.90

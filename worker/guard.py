@@ -31,7 +31,7 @@ from pathlib import Path
 
 import redis
 
-from trainer.names import attempt_key, lease_key
+from contract.protocol import attempt_key, lease_key
 
 POLL_SECONDS = 0.25
 # A Redis call that hangs (a partition) must not keep the guard from its deadline for long.

@@ -33,7 +33,7 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainer.names import NODES_SET, node_holder_key, node_key, node_queue
+from contract.protocol import NODES_SET, node_holder_key, node_key, node_queue
 
 log = logging.getLogger(__name__)
 

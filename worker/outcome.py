@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.names import FailureCode
+from contract.codes import FailureCode
 
 # Ordered: the first pattern found in the log tail names the error.
 LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from trainer.names import EVENTS_STREAM
+from contract.protocol import EVENTS_STREAM
 
 # Bounds the live stream; the control plane copies every entry into Postgres long before this trims.
 STREAM_MAXLEN = 200_000

@@ -24,9 +24,8 @@ from typing import Any
 
 import redis
 
-from trainer import fence, swap
-from trainer.names import (
-    FailureCode,
+from contract.codes import FailureCode
+from contract.protocol import (
     attempt_key,
     cancel_key,
     claim_key,
@@ -36,7 +35,8 @@ from trainer.names import (
     released_key,
     rendezvous_key,
 )
-from trainer.spec import NodeShare, RunSpec
+from contract.spec import NodeShare, RunSpec
+from trainer import fence, swap
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.outcome import Outcome, Status, classify_failure, read_completion
 from worker.priority import Priority, command

@@ -6,7 +6,7 @@ from typing import Any
 
 from celery.worker import state
 
-from trainer.names import RUN_JOB
+from contract.protocol import RUN_JOB
 from worker.celery_app import app, settings
 from worker.supervisor import supervise
 

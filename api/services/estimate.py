@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from trainer.dsconfig import ResolvedJob
+from contract.spec import ResolvedJob
 
 GiB = 2**30
 # CUDA context, NCCL and DeepSpeed's communication buckets: what a rank holds beyond its tensors.

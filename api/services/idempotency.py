@@ -24,7 +24,7 @@ import orjson
 from api import pg
 from api.errors import ApiError, ErrorCode, invalid
 from api.settings import ApiSettings
-from trainer.dsconfig import FieldError
+from contract.problems import FieldError
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from api.services import audit, events, idempotency
 from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
-from trainer.dsconfig import ResolvedJob, ResolveLimits, resolve
-from trainer.names import cancel_key
-from trainer.spec import JobSpec
+from contract.deepspeed import ResolveLimits, resolve
+from contract.protocol import cancel_key
+from contract.spec import JobSpec, ResolvedJob
 
 CANCEL_KEY_TTL = 30 * 24 * 3600
 

@@ -14,7 +14,7 @@ from api import access
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import ApiKey
 from api.services import audit
-from trainer.dsconfig import FieldError
+from contract.problems import FieldError
 
 MAX_DAYS = 100 * 366  # a farther expiry means none; the bound keeps dates near Python's year 9999 out
 

@@ -7,8 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from api.settings import ApiSettings
-from trainer.dsconfig import FieldError
-from trainer.spec import JobSpec
+from contract.problems import FieldError
+from contract.spec import JobSpec
 from trainer.stages import local_family_problem
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")

@@ -27,8 +27,8 @@ from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
 from api.models import TERMINAL, Job
 from api.settings import ApiSettings
-from trainer.dsconfig import FieldError
-from trainer.spec import JobSpec
+from contract.problems import FieldError
+from contract.spec import JobSpec
 
 FIELD = "notifications.webhook_url"
 

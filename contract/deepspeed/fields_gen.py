@@ -1,7 +1,7 @@
-"""Build the table of DeepSpeed's config fields (trainer/deepspeed_fields.json) from the installed DeepSpeed.
+"""Build the table of DeepSpeed's config fields (contract/deepspeed/deepspeed_fields.json) from the installed DeepSpeed.
 
-Run at development time, after DeepSpeed is upgraded: `python -m trainer.dsfields_gen`. The API reads only the
-JSON (trainer/dsfields.py), so it never imports torch or DeepSpeed; tests/test_dsconfig.py rebuilds the table
+Run at development time, after DeepSpeed is upgraded: `python -m contract.deepspeed.fields_gen`. The API reads only the
+JSON (contract/deepspeed/fields.py), so it never imports torch or DeepSpeed; tests/test_dsconfig.py rebuilds the table
 from the installed DeepSpeed and fails when the checked-in one differs.
 
 Everything here is read from DeepSpeed itself: the top-level keys are the ones `DeepSpeedConfig` looks up

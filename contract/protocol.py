@@ -1,13 +1,11 @@
-"""The names the control plane (api/) and the workers (worker/) share: the Celery task, the Redis keys and
-stream, and the error codes a job can end with. The one place each is spelled.
+"""The protocol between the control plane (api/) and the workers (worker/): the Celery task, the Redis keys and
+the event stream. The one place each is spelled (the codes a job and its events carry: contract/codes.py).
 
-Standard library only, and `trainer/__init__.py` imports nothing: importing this never imports torch or any
-worker module, so the API gets its names without either.
+Standard library only: importing this never imports torch or any worker module, so the API gets its names
+without either.
 """
 
 from __future__ import annotations
-
-import enum
 
 EVENTS_STREAM = "ft:events"
 RUN_JOB = "worker.run_job"  # the Celery task that runs one attempt (worker/tasks.py)
@@ -81,27 +79,3 @@ def node_holder_key(name: str) -> str:
 def node_queue(name: str) -> str:
     """The Celery queue only this node's worker consumes: the control plane sends it the jobs it placed there."""
     return NODE_QUEUE_PREFIX + name
-
-
-class FailureCode(str, enum.Enum):
-    """`error.code` of a failed job: whoever decides the failure (trainer, worker or control plane) writes one
-    of these. A str, so each is its plain string in JSON and events; `__str__` makes it so in f-strings too
-    (what enum.StrEnum does, which Python 3.10 lacks)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    # Decided by the trainer (trainer/errors.py and its subclasses; python -m trainer).
-    TRAINER_ERROR = "trainer_error"
-    DATA_ERROR = "data_error"
-    MODEL_LOAD_ERROR = "model_load_error"
-    OUT_OF_MEMORY = "out_of_memory"  # GPU memory (torch) or the host check (trainer/memory.py)
-    SUPERSEDED = "superseded"  # a newer attempt holds the job's fence (trainer/fence.py)
-    ELASTIC_RESUME_ERROR = "elastic_resume_error"  # a resume on another world size cannot go on (trainer/elastic.py)
-    # Decided by the worker from the attempt's end (worker/outcome.py, worker/supervisor.py).
-    NCCL_TIMEOUT = "nccl_timeout"
-    KILLED = "killed"  # a rank ended by a signal nothing in the service sent
-    TIME_LIMIT = "time_limit"
-    WORKER_ERROR = "worker_error"  # the supervisor itself failed
-    # Decided by the control plane (api/reaper.py).
-    WORKER_LOST = "worker_lost"

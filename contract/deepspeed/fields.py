@@ -1,4 +1,4 @@
-"""What the pinned DeepSpeed accepts in a config, read from the table trainer/dsfields_gen.py builds from it.
+"""What the pinned DeepSpeed accepts in a config, read from the table contract/deepspeed/fields_gen.py builds from it.
 
 Pure Python and one small JSON file, so the API knows DeepSpeed's field names, aliases, deprecated names,
 types and defaults without importing torch or DeepSpeed. `check_rendered` repeats, for the fields the service
@@ -112,7 +112,7 @@ def _num(x: float) -> str:
 def value_problem(spec: dict[str, Any], v: Any) -> str | None:
     """Why DeepSpeed's model would refuse `v` for this field, or None. Stricter than pydantic's lax mode in one
     way only: JSON's own types are required (no "true" for true, no "16" for 16). Only DeepSpeed's own bounds
-    are checked here; the service's are in trainer/dsconfig.py, where they are reported as the service's."""
+    are checked here; the service's are in contract/deepspeed/policy.py, where they are reported as the service's."""
     kind = spec["type"]
     if v is None:
         return None if spec.get("nullable") else "must not be null"
