@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import text
 
 from api.db import session_scope
+from contract.codes import ACTIVE_STATUSES, sql_list
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ REAPED = Counter("ft_reaper_actions_total", "Jobs the reaper requeued (lost or r
 DISPATCHED = Counter("ft_dispatched_total", "Task messages the dispatcher sent (first sends, requeues, re-drives)",
                      registry=REGISTRY)
 
-RUNNING = ("SELECT id, owner, queue, progress FROM jobs WHERE status IN ('starting', 'running', 'cancelling') "
+RUNNING = (f"SELECT id, owner, queue, progress FROM jobs WHERE status IN {sql_list(ACTIVE_STATUSES)} "
            "ORDER BY seq LIMIT 1000")
 # progress key -> (metric, help)
 FIGURES = {

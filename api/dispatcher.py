@@ -30,6 +30,7 @@ from api.models import Job
 from api.pg import dsn
 from api.scheduler import Scheduler
 from api.settings import ApiSettings
+from contract.codes import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class Dispatcher:
             with session_scope() as session:
                 # Rows another dispatcher (or the reaper's re-drive) holds are theirs this time round.
                 jobs = list(session.scalars(
-                    select(Job).where(Job.status == "queued", Job.dispatched_at.is_(None), Job.placement.is_not(None))
+                    select(Job)
+                    .where(Job.status == JobStatus.QUEUED, Job.dispatched_at.is_(None), Job.placement.is_not(None))
                     .order_by(Job.seq).limit(BATCH).with_for_update(skip_locked=True)))
                 for job in jobs:
                     dispatch(self.r, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,

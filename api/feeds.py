@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from api import pg, reads
 from api.errors import ApiError
-from api.models import TERMINAL
+from contract.codes import TERMINAL_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Feed:
         self.buffer.extend(event_of(r) for r in rows)
         first_read = self.last_seq is None
         self.last_seq = rows[-1][0] if rows else start
-        ended = (status is None or status in TERMINAL) and not rows
+        ended = (status is None or status in TERMINAL_STATUSES) and not rows
         if rows or first_read or ended != self.ended:
             self.ended = ended
             await self._announce()

@@ -23,8 +23,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from api.db import session_scope
-from api.models import TERMINAL, Job, JobEvent
+from api.models import Job, JobEvent
 from api.services import events
+from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
 from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,14 @@ def _now() -> datetime:
 
 def apply_state(job: Job, data: dict[str, Any]) -> None:
     status = data.get("status")
-    if job.status in TERMINAL:
+    if job.status in TERMINAL_STATUSES:
         return  # an ended job's state is final, whatever arrives after it
-    if status == "starting" and job.status == "queued":
-        job.status = "starting"
-    elif status == "running" and job.status in ("queued", "starting"):
-        job.status = "running"
+    if status == JobStatus.STARTING and job.status == JobStatus.QUEUED:
+        job.status = JobStatus.STARTING
+    elif status == JobStatus.RUNNING and job.status in (JobStatus.QUEUED, JobStatus.STARTING):
+        job.status = JobStatus.RUNNING
         job.started_at = job.started_at or _now()
-    elif status in TERMINAL:
+    elif status in TERMINAL_STATUSES:
         job.status = status
         job.finished_at = _now()
         job.error = data.get("error")
@@ -59,21 +60,21 @@ def apply_state(job: Job, data: dict[str, Any]) -> None:
 
 def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
     """What an event means for the job row; every event is also kept in the log as it came."""
-    if kind == "state":
+    if kind == EventKind.STATE:
         apply_state(job, data)
-    elif kind == "started":
+    elif kind == EventKind.STARTED:
         job.progress = {**(job.progress or {}), "step": data.get("resumed_from_step") or 0,
                         "total_steps": data.get("total_steps"), "packing_efficiency": data.get("packing_efficiency")}
-    elif kind == "progress":
+    elif kind == EventKind.PROGRESS:
         job.progress = {**(job.progress or {}), **{k: data[k] for k in PROGRESS_FIELDS if k in data}}
-    elif kind == "checkpoint":
+    elif kind == EventKind.CHECKPOINT:
         removed = set(data.get("removed") or [])
         removed.add(data.get("path"))
         kept = [c for c in (job.checkpoints or []) if c.get("path") not in removed]
         kept.append({"step": data.get("step"), "path": data.get("path"), "committed": bool(data.get("committed")),
                      "attempt": job.attempt, "created_at": _now().isoformat()})
         job.checkpoints = sorted(kept, key=lambda c: c["step"] or 0)
-    elif kind == "resolved":
+    elif kind == EventKind.RESOLVED:
         # The trainer measured the device and replaced an estimated micro batch: the job shows what ran.
         resolved = dict(job.resolved)
         ds = dict(resolved.get("deepspeed_config", {}))
@@ -84,7 +85,7 @@ def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
         resolved["deepspeed_config"] = ds
         resolved["notes"] = [*resolved.get("notes", []), str(data.get("reason", ""))]
         job.resolved = resolved
-    elif kind == "completed":
+    elif kind == EventKind.COMPLETED:
         job.output = {**(job.output or {}), **{k: v for k, v in data.items() if k not in ("ts", "rank")}}
 
 
@@ -224,7 +225,7 @@ class Ingester:
                 error = first_line(exc)[:500]
             log.error("event %s of job %s cannot be stored as it came (%s); storing what can be kept of it",
                       eid, fields.get("job_id"), error)
-            kept = {**fields, "type": "unreadable",
+            kept = {**fields, "type": EventKind.UNREADABLE,
                     "data": json.dumps({"type": fields.get("type"), "raw": (fields.get("data") or "")[:20000],
                                         "error": error})}
             try:
@@ -257,10 +258,10 @@ def store(session: Session, entries: list[tuple[str, dict[str, str]]]) -> None:
                 continue  # a superseded attempt: its worker was replaced, its events are not the job's story
             kind = fields.get("type", "unknown")[:32]
             data = _data(fields)
-            if job.status in TERMINAL:
+            if job.status in TERMINAL_STATUSES:
                 # The attempt outlived the job's end (a cancel or a lost-worker verdict that raced it, or
                 # its events were held up by an outage): keep what it said, change nothing.
-                if kind == "state":
+                if kind == EventKind.STATE:
                     data = {**data, "ignored": f"the job had already ended as {job.status}"}
             else:
                 apply_event(job, kind, data)

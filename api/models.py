@@ -26,32 +26,27 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from api.db import Base
-
-ACTIVE = ("starting", "running", "cancelling")
-TERMINAL = ("succeeded", "failed", "cancelled")
-STATUSES = ("queued", *ACTIVE, *TERMINAL)
-# What an owner's quota counts: every job that has not ended, queued ones included (a quota limits what
-# one caller may queue, not only what runs).
-UNFINISHED = ("queued", *ACTIVE)
+from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 
 
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
-        CheckConstraint(f"status IN {STATUSES!r}", name="status_valid"),
+        CheckConstraint(f"status IN {sql_list(JobStatus)}", name="status_valid"),
         # Keyset pages of the job list, newest first, filtered by status or queue.
         Index("ix_jobs_status_seq", "status", "seq"),
         Index("ix_jobs_queue_seq", "queue", "seq"),
         Index("ix_jobs_undispatched", "updated_at",
-              postgresql_where=text("status = 'queued' AND dispatched_at IS NULL")),
+              postgresql_where=text(f"status = '{JobStatus.QUEUED}' AND dispatched_at IS NULL")),
         # A caller's own jobs, newest first (every non-admin list), and what its quota counts.
         Index("ix_jobs_owner_seq", "owner", "seq"),
         Index("ix_jobs_owner_unfinished", "owner", postgresql_include=["gpus"],
-              postgresql_where=text(f"status IN {UNFINISHED!r}")),
-        Index("ix_jobs_placed", "status", postgresql_where=text(f"placement IS NOT NULL AND status IN {UNFINISHED!r}")),
+              postgresql_where=text(f"status IN {sql_list(UNFINISHED_STATUSES)}")),
+        Index("ix_jobs_placed", "status",
+              postgresql_where=text(f"placement IS NOT NULL AND status IN {sql_list(UNFINISHED_STATUSES)}")),
         # The scheduler's read of waiting jobs: per queue and owner, highest priority then oldest (migration 0006).
         Index("ix_jobs_waiting", "queue", "owner", text("priority DESC"), "seq",
-              postgresql_where=text("status = 'queued' AND placement IS NULL")),
+              postgresql_where=text(f"status = '{JobStatus.QUEUED}' AND placement IS NULL")),
     )
 
     # Internal order for "newest first" and cursors; the public id is opaque.

@@ -17,6 +17,7 @@ from api import pg
 from api.errors import ApiError, ErrorCode, invalid
 from api.jobcache import JobCache
 from api.settings import get_settings
+from contract.codes import UNFINISHED_STATUSES, sql_list
 from contract.problems import FieldError
 
 # Progress keys every reader may rely on, null until the trainer reports them.
@@ -133,7 +134,7 @@ async def events_page(job_id: str, *, after: int, limit: int, types: list[str] |
 # A node's state: draining (its worker is shutting down), lost (not seen for the grace period after its
 # heartbeat key expired: it receives nothing), or up. Its jobs and free slots are the placed jobs that
 # have not ended, as the scheduler counts them.
-NODES = """
+NODES = f"""
 SELECT coalesce(json_agg(json_build_object(
     'name', n.name, 'kind', n.kind, 'queues', n.queues, 'slots_total', n.slots,
     'slots_free', CASE WHEN n.last_seen >= now() - make_interval(secs => $1) AND NOT n.draining
@@ -145,7 +146,7 @@ FROM nodes AS n LEFT JOIN LATERAL (
     SELECT sum(jsonb_array_length(p->'devices'))::int AS used,
            json_agg(json_build_object('id', j.id, 'status', j.status, 'devices', p->'devices') ORDER BY j.seq) AS jobs
     FROM jobs AS j, jsonb_array_elements(j.placement) AS p
-    WHERE j.placement IS NOT NULL AND j.status IN ('queued', 'starting', 'running', 'cancelling')
+    WHERE j.placement IS NOT NULL AND j.status IN {sql_list(UNFINISHED_STATUSES)}
       AND p->>'node' = n.name) AS h ON true"""
 
 

@@ -21,11 +21,11 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.db import session_scope
-from api.models import ACTIVE, Job, JobEvent
+from api.models import Job, JobEvent
 from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now
 from api.settings import ApiSettings
-from contract.codes import FailureCode
+from contract.codes import ACTIVE_STATUSES, EventKind, FailureCode, JobStatus
 from contract.protocol import (
     EVENTS_STREAM,
     INGEST_GROUP,
@@ -110,11 +110,11 @@ class Reaper:
             # queue of 100,000 jobs cost a pass seconds). Queued jobs need no keys re-asserted: their
             # attempt key is set when they are sent, and after a Redis data loss they are re-sent.
             active = list(session.execute(select(Job.id, Job.attempt, Job.status, Job.placement)
-                                          .where(Job.status.in_(ACTIVE))))
+                                          .where(Job.status.in_(ACTIVE_STATUSES))))
             pipe = self.r.pipeline(transaction=False)
             for job in active:
                 pipe.set(attempt_key(job.id), job.attempt)
-                if job.status == "cancelling":
+                if job.status == JobStatus.CANCELLING:
                     pipe.set(cancel_key(job.id), job.attempt, ex=CANCEL_KEY_TTL)
             # A multi-node job has one lease per node's part: it is alive while every part holds its lease
             # or ended cleanly (done), and lost as a whole when one part is missing.
@@ -160,33 +160,36 @@ class Reaper:
         """Requeue (or end) the attempt; `released` is what a worker that handed the job back said."""
         with session_scope() as session:
             job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-            if job.attempt != attempt or job.status not in ACTIVE:
+            if job.attempt != attempt or job.status not in ACTIVE_STATUSES:
                 return False  # it moved on while we looked
-            if job.status == "cancelling":
-                job.status, job.finished_at = "cancelled", now()
-                events.append(session, job, "state", {"status": "cancelled", "reason": "worker lost while cancelling"})
+            if job.status == JobStatus.CANCELLING:
+                job.status, job.finished_at = JobStatus.CANCELLED, now()
+                events.append(session, job, EventKind.STATE,
+                              {"status": JobStatus.CANCELLED, "reason": "worker lost while cancelling"})
                 return True
             # Workers lost, not attempt numbers: a re-drive after a Redis data loss also takes a new attempt.
             losses = (0 if released is not None else 1) + _losses(session, job_id)
             if released is None and losses >= self.settings.max_attempts:
-                job.status, job.finished_at = "failed", now()
+                job.status, job.finished_at = JobStatus.FAILED, now()
                 job.error = {"code": FailureCode.WORKER_LOST,
                              "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
                                         f"{self.settings.max_attempts} allowed attempts lost their worker"}
-                events.append(session, job, "state", {"status": "failed", "error": job.error})
+                events.append(session, job, EventKind.STATE, {"status": JobStatus.FAILED, "error": job.error})
                 return True
             if released is not None:
-                events.append(session, job, "state", {"status": "released", **released})
+                events.append(session, job, EventKind.STATE, {"status": "released", **released})
                 why = "requeued after its worker shut down"
             else:
-                events.append(session, job, "state", {"status": "lost", "reason": "worker stopped heartbeating"})
+                events.append(session, job, EventKind.STATE,
+                              {"status": "lost", "reason": "worker stopped heartbeating"})
                 why = "requeued after worker loss"
             job.attempt = attempt + 1
-            job.status = "queued"
+            job.status = JobStatus.QUEUED
             job.dispatched_at = None
             # Its slots are free (its ranks are gone by now): the scheduler places the next attempt afresh.
             job.placement = None
-            events.append(session, job, "state", {"status": "queued", "reason": why, "previous_attempt": attempt})
+            events.append(session, job, EventKind.STATE,
+                          {"status": JobStatus.QUEUED, "reason": why, "previous_attempt": attempt})
             log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, why, attempt + 1)
             return True
 
@@ -218,7 +221,7 @@ class Reaper:
             # A job the scheduler has not placed was never sent: it has nothing to lose.
             unsent = and_(Job.dispatched_at.is_(None), Job.placement.is_not(None), Job.updated_at <= self.lost_at_db,
                           Job.updated_at < db_now - timedelta(seconds=UNSENT_GRACE_SECONDS))
-            query = select(Job).where(Job.status == "queued", or_(sent_before, unsent))
+            query = select(Job).where(Job.status == JobStatus.QUEUED, or_(sent_before, unsent))
             if self.redriven:
                 query = query.where(Job.id.not_in(self.redriven))
             jobs = list(session.scalars(query.order_by(Job.seq).with_for_update(skip_locked=True)))
@@ -226,8 +229,8 @@ class Reaper:
                 previous = job.attempt
                 job.attempt = previous + 1
                 job.dispatched_at = None
-                events.append(session, job, "state", {
-                    "status": "queued", "previous_attempt": previous,
+                events.append(session, job, EventKind.STATE, {
+                    "status": JobStatus.QUEUED, "previous_attempt": previous,
                     "reason": "sent again: Redis lost its data, and the job's task message with it"})
             session.commit()
             self.redriven.update(job.id for job in jobs)
@@ -264,4 +267,4 @@ def ingested(client: redis.Redis, entry_id: str | None) -> bool:
 
 def _losses(session: Session, job_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(JobEvent).where(
-        JobEvent.job_id == job_id, JobEvent.type == "state", JobEvent.data["status"].astext == "lost")) or 0)
+        JobEvent.job_id == job_id, JobEvent.type == EventKind.STATE, JobEvent.data["status"].astext == "lost")) or 0)

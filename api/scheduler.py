@@ -37,9 +37,10 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from api.db import session_scope
-from api.models import UNFINISHED, Job
+from api.models import Job
 from api.services import events
 from api.settings import ApiSettings
+from contract.codes import UNFINISHED_STATUSES, EventKind, JobStatus, sql_list
 from contract.protocol import NODES_SET, lease_key, node_key
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
        last_seen < now() - make_interval(secs => :gone) AS gone FROM nodes ORDER BY name""")
 HELD = text(f"""
 SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
-WHERE placement IS NOT NULL AND status IN {UNFINISHED!r}""")
+WHERE placement IS NOT NULL AND status IN {sql_list(UNFINISHED_STATUSES)}""")
 # The waiting jobs a pass looks at, read through ix_jobs_waiting (queue, owner, priority DESC, seq) rather than
 # from every waiting row's JSON. Exact for the first :per_queue of each queue: an owner's job that is not among
 # the owner's first :per_queue by (priority, age) has that many jobs of its owner before it in the queue order
@@ -212,7 +213,7 @@ class Scheduler:
         for job in held:
             parts = job.placement or []
             gone = [p["node"] for p in parts if p["node"] not in nodes or nodes[p["node"]].gone]
-            if job.status == "queued" and gone and not self.r.exists(lease_key(job.id, job.attempt)):
+            if job.status == JobStatus.QUEUED and gone and not self.r.exists(lease_key(job.id, job.attempt)):
                 back.append((job.id, job.attempt, gone))
                 continue
             for p in parts:
@@ -222,11 +223,11 @@ class Scheduler:
                     node.jobs += 1
         for job_id, attempt, gone in back:
             row = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
-            if row is None or row.attempt != attempt or row.status != "queued" or row.placement is None:
+            if row is None or row.attempt != attempt or row.status != JobStatus.QUEUED or row.placement is None:
                 continue
             row.placement, row.dispatched_at, row.attempt = None, None, attempt + 1
-            events.append(session, row, "state", {
-                "status": "queued", "previous_attempt": attempt,
+            events.append(session, row, EventKind.STATE, {
+                "status": JobStatus.QUEUED, "previous_attempt": attempt,
                 "reason": f"placed on {', '.join(gone)}, which is gone or draining before it started the job"})
             log.warning("job %s: node %s gone before it started attempt %d; placing it again", job_id,
                         ", ".join(gone), attempt)

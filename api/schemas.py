@@ -8,11 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
+from contract import codes
 from contract.spec import JobSpec, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
 
-JobStatus = Literal["queued", "starting", "running", "cancelling", "succeeded", "failed", "cancelled"]
+# A Literal, not the enum, so the OpenAPI schema lists the values inline as it always has.
+JobStatus = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
 
 
 class Progress(BaseModel):

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.shapes import model_config
 from bench.synthetic import write_documents, write_model_dir, write_stdlib_text
+from contract.codes import EventKind
 from contract.deepspeed import ResolveLimits, resolve
 from contract.spec import JobSpec, RunSpec
 
@@ -80,9 +81,9 @@ def build_run(a: argparse.Namespace, work: Path) -> Path:
 
 
 def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
-    progress = [e for e in events if e.get("event") == "progress"]
+    progress = [e for e in events if e.get("event") == EventKind.PROGRESS]
     # The last `started`: the setting that trained (the OOM ladder starts once per setting it tries).
-    started = next((e for e in reversed(events) if e.get("event") == "started"), {})
+    started = next((e for e in reversed(events) if e.get("event") == EventKind.STARTED), {})
     steady = [e for e in progress if e["step"] >= skip]
     out: dict[str, Any] = {"steps": progress[-1]["step"] if progress else 0,
                            "micro_batch_size": started.get("micro_batch_size"),
@@ -107,18 +108,18 @@ def figures(events: list[dict[str, Any]], skip: int) -> dict[str, Any]:
             out[key] = round(100 * tps * sum(per) / len(per), 2) if per else None
         out["peak_gpu_GiB"] = round((last.get("peak_memory_bytes") or 0) / 2**30, 2)
         out["final_loss"] = round(last["loss"], 4)
-    resolved = next((e for e in events if e.get("event") == "resolved"), None)
+    resolved = next((e for e in events if e.get("event") == EventKind.RESOLVED), None)
     if resolved:
         out["auto_reason"] = resolved.get("reason")
-    adapted = [e for e in events if e.get("event") == "adapted"]
+    adapted = [e for e in events if e.get("event") == EventKind.ADAPTED]
     if adapted:
         out["adapted"] = [{"phase": e["phase"], "step": e["step"], "change": e["change"],
                            "error": e["error"][:160]} for e in adapted]
         out["memory_setting"] = started.get("memory_setting")
-    evals = [e for e in events if e.get("event") == "eval"]
+    evals = [e for e in events if e.get("event") == EventKind.EVAL]
     if evals:
         out["eval_loss"] = {e["step"]: round(e["loss"], 4) for e in evals}
-    err = next((e for e in events if e.get("event") == "error"), None)
+    err = next((e for e in events if e.get("event") == EventKind.ERROR), None)
     if err:
         out["error"] = f"{err.get('code')}: {str(err.get('message'))[:300]}"
     return out
@@ -180,7 +181,7 @@ def reload_export(spec: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
                            "reload_s": loaded_s}
     _, val = load_blocks(job.data, run.paths, AutoTokenizer.from_pretrained(out), job.hyperparameters.seq_len,
                          job.hyperparameters.seed)
-    evals = [e for e in events if e.get("event") == "eval"]
+    evals = [e for e in events if e.get("event") == EventKind.EVAL]
     if val is None or not evals:
         row["reload_check"] = "no held-out data (run with --val-fraction): the weights' survival is not checked"
     else:

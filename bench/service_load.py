@@ -48,6 +48,7 @@ import psycopg
 import redis
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from contract.codes import TERMINAL_STATUSES, JobStatus
 from scripts.corpus import write_corpus
 from scripts.stack import ROOT, Stack, migrate
 
@@ -559,9 +560,9 @@ def wait_running(api: httpx.Client, job_id: str, timeout: float = 240) -> dict[s
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         job = api.get(f"/jobs/{job_id}").json()
-        if job["status"] == "running" and (job["progress"].get("step") or 0) >= 1:
+        if job["status"] == JobStatus.RUNNING and (job["progress"].get("step") or 0) >= 1:
             return job
-        if job["status"] in ("succeeded", "failed", "cancelled"):
+        if job["status"] in TERMINAL_STATUSES:
             raise RuntimeError(f"the followed job ended before it was followed: {job['status']} {job['error']}")
         time.sleep(0.5)
     raise TimeoutError(f"job {job_id} was not training within {timeout} s")
@@ -573,7 +574,7 @@ def stop_job(api: httpx.Client, job_id: str, timeout: float = 90) -> str:
     status = "?"
     while time.monotonic() < end:
         status = api.get(f"/jobs/{job_id}").json()["status"]
-        if status in ("succeeded", "failed", "cancelled"):
+        if status in TERMINAL_STATUSES:
             break
         time.sleep(0.5)
     return status

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from contract.codes import EventKind, JobStatus
 from ftcli import render
 from ftcli.http import Api, CliError
 from ftcli.jobfile import load_job
@@ -43,7 +44,7 @@ def emit(value: Any) -> None:
 
 def wait_for_end(api: Api, job_id: str, as_json: bool) -> dict[str, Any]:
     """Follows the job's state events until its stream ends (the job ended), then reads it."""
-    for e in api.events(job_id, types=["state"], on_reconnect=reconnecting(as_json)):
+    for e in api.events(job_id, types=[EventKind.STATE], on_reconnect=reconnecting(as_json)):
         if not as_json:
             err.print(f"{job_id}: {e.get('status')}")
     return api.json("GET", f"/jobs/{job_id}")
@@ -61,7 +62,7 @@ def finished(job: dict[str, Any], as_json: bool) -> None:
         emit(job)
     else:
         out.print(render.job_table(job))
-    if job["status"] != "succeeded":
+    if job["status"] != JobStatus.SUCCEEDED:
         raise typer.Exit(EXIT_JOB_NOT_SUCCEEDED)
 
 
@@ -138,7 +139,7 @@ def watch(job_id: JobId, as_json: Json = False) -> None:
     job = api.json("GET", f"/jobs/{job_id}")
     if not as_json:
         out.print(f"{job_id} {render.status_text(job['status'])}")
-    if job["status"] != "succeeded":
+    if job["status"] != JobStatus.SUCCEEDED:
         raise typer.Exit(EXIT_JOB_NOT_SUCCEEDED)
 
 
@@ -151,14 +152,15 @@ def logs(job_id: JobId,
     if as_json:  # the log events themselves, one per line
         after = 0
         while True:
-            page = api.json("GET", f"/jobs/{job_id}/events", params={"type": "log", "after": after, "limit": 1000})
+            page = api.json("GET", f"/jobs/{job_id}/events",
+                            params={"type": EventKind.LOG, "after": after, "limit": 1000})
             for e in page["data"]:
                 emit(e)
             after = page["next_after"]
             if not page["has_more"]:
                 break
         if follow:
-            for e in api.events(job_id, after=after, types=["log"], on_reconnect=reconnecting(True)):
+            for e in api.events(job_id, after=after, types=[EventKind.LOG], on_reconnect=reconnecting(True)):
                 emit(e)
         return
     if follow:

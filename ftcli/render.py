@@ -8,8 +8,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-STATUS_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "cancelling": "yellow",
-                "running": "cyan", "starting": "cyan", "queued": "white"}
+from contract.codes import EventKind, JobStatus
+
+STATUS_STYLE = {JobStatus.SUCCEEDED: "green", JobStatus.FAILED: "red", JobStatus.CANCELLED: "yellow",
+                JobStatus.CANCELLING: "yellow", JobStatus.RUNNING: "cyan", JobStatus.STARTING: "cyan",
+                JobStatus.QUEUED: "white"}
 
 
 def num(value: Any, fmt: str) -> str:
@@ -84,19 +87,19 @@ class Watch:
 
     def event(self, e: dict[str, Any]) -> None:
         kind = e.get("type")
-        if kind == "progress":
+        if kind == EventKind.PROGRESS:
             fields: dict[str, Any] = {"completed": e.get("step") or 0, "loss": num(e.get("loss"), ".4f"),
                                       "tps": num(e.get("tokens_per_second"), ",.0f"), "eta": eta(e.get("eta_seconds"))}
             if e.get("total_steps"):
                 fields["total"] = e["total_steps"]
             self.progress.update(self.task, **fields)
-        elif kind == "started" and e.get("total_steps"):
+        elif kind == EventKind.STARTED and e.get("total_steps"):
             self.progress.update(self.task, total=e["total_steps"], completed=e.get("resumed_from_step") or 0)
-        elif kind == "state":
+        elif kind == EventKind.STATE:
             self.progress.update(self.task, status=e.get("status", ""))
-        elif kind == "eval":
+        elif kind == EventKind.EVAL:
             self.progress.console.print(f"eval at step {e.get('step')}: loss {num(e.get('loss'), '.4f')}")
-        elif kind == "checkpoint" and e.get("committed"):
+        elif kind == EventKind.CHECKPOINT and e.get("committed"):
             self.progress.console.print(f"checkpoint at step {e.get('step')} committed")
 
 

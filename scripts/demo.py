@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from contract.codes import EventKind, JobStatus
 from scripts.client import follow, progress_line, submit
 from scripts.corpus import write_corpus
 from scripts.stack import ROOT, Stack, database_exists_or_create, ensure_dev_key, migrate
@@ -59,16 +60,16 @@ def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | 
               flush=True)
 
     def on_event(ev: dict[str, Any]) -> None:
-        if ev["type"] == "progress":
+        if ev["type"] == EventKind.PROGRESS:
             if figures["first_progress_s"] is None:
                 figures["first_progress_s"] = time.monotonic() - t0
             figures["losses"].append(ev.get("loss"))
             if not quiet:
                 print("\r" + progress_line(job_id, ev).ljust(100), end="", flush=True)
-        elif ev["type"] == "state" and not quiet:
+        elif ev["type"] == EventKind.STATE and not quiet:
             print(f"\n[{ev['status']}]" + (f" {ev['error']['code']}: {ev['error']['message']}"
                                             if ev.get("error") else ""), flush=True)
-        elif ev["type"] == "eval" and not quiet:
+        elif ev["type"] == EventKind.EVAL and not quiet:
             print(f"\n[eval] step {ev.get('step')} loss {ev.get('loss'):.4f} perplexity {ev.get('perplexity'):.1f}",
                   flush=True)
 
@@ -104,7 +105,7 @@ def main() -> int:
     p = job["progress"]
     losses = [x for x in figures["losses"] if x is not None]
     print(f"\njob {job['id']} {job['status']} (attempt {job['attempt']}) in {figures['wall_s']:.1f} s")
-    if job["status"] != "succeeded":
+    if job["status"] != JobStatus.SUCCEEDED:
         print(json.dumps(job["error"], indent=2))
         print(f"logs: curl -H \"Authorization: Bearer $(cat var/dev-key)\" {stack.api_url}/jobs/{job['id']}/logs  "
               f"(stack logs in {stack.log_dir})")

@@ -101,3 +101,15 @@ print(json.dumps({
 }))
 """)
     assert seen == {"task": True, "stream": True, "keys": True, "codes": True, "task_registered": True}
+
+
+def test_the_job_statuses_are_the_ones_the_table_allows() -> None:
+    # The enum, the ORM's constraint and the first migration's constraint name the same set.
+    from api.models import Job
+    from contract.codes import JobStatus, sql_list
+
+    allowed = f"status IN {sql_list(JobStatus)}"
+    migration = (ROOT / "migrations/versions/0001_create_jobs_and_job_events.py").read_text()
+    assert allowed in migration
+    checks = [c for c in Job.__table__.constraints if c.name and str(c.name).endswith("status_valid")]
+    assert [str(c.sqltext) for c in checks] == [allowed]

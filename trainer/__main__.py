@@ -10,7 +10,7 @@ import argparse
 import sys
 import traceback
 
-from contract.codes import FailureCode
+from contract.codes import EventKind, FailureCode
 from contract.spec import RunSpec
 from trainer.errors import Interrupted, TrainerError
 from trainer.events import emit
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.spec, encoding="utf-8") as f:
             run_spec = RunSpec.model_validate_json(f.read())
     except Exception as exc:
-        emit("error", code=FailureCode.TRAINER_ERROR, message=f"cannot read run spec {args.spec}: {exc}")
+        emit(EventKind.ERROR, code=FailureCode.TRAINER_ERROR, message=f"cannot read run spec {args.spec}: {exc}")
         return EXIT_FAILED
 
     from trainer import recipe
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted:
         return EXIT_INTERRUPTED
     except Exception as exc:
-        emit("error", code=_error_code(exc), message=str(exc) or type(exc).__name__,
+        emit(EventKind.ERROR, code=_error_code(exc), message=str(exc) or type(exc).__name__,
              exception=type(exc).__name__)
         traceback.print_exc(file=sys.stderr)
         return EXIT_FAILED

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from contract.codes import EventKind
 from trainer import elastic
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -113,7 +114,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
             shutil.rmtree(old, ignore_errors=True)
             removed.append(str(old))
         elastic.prune(checkpoint_dir, keep=tag_dir)
-    emit_rank0("checkpoint", step=state.step, path=str(tag_dir), committed=True, removed=removed)
+    emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed)
     # Nobody may start the next save (or exit) before the commit and pruning are done.
     _barrier()
     return tag_dir

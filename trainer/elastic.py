@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from contract.codes import FailureCode
+from contract.codes import EventKind, FailureCode
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -203,7 +203,7 @@ def load_source(resume: Plan, checkpoint_dir: Path, rank: int, fence: Fence) -> 
         if box[0] is not None:
             raise ElasticResumeError(box[0])
         source = checkpoint_dir / UNIVERSAL_DIR / tag
-    emit_rank0("resumed", step=_step_of(resume.tag_dir), tag=tag, from_world_size=resume.written.world_size,
+    emit_rank0(EventKind.RESUMED, step=_step_of(resume.tag_dir), tag=tag, from_world_size=resume.written.world_size,
                to_world_size=resume.world_size, universal=resume.universal, converted=converted,
                conversion_seconds=seconds if resume.universal else None, path=str(source))
     return source.parent, tag

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from contract.codes import EventKind
 from contract.spec import JobSpec
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -86,7 +87,7 @@ def export(engine: Any, tokenizer: PreTrainedTokenizerBase, spec: JobSpec, model
         os.rename(staged, output_dir)
         marker = {"step": step, "files": files, "final_loss": final_loss, "attempt": fence.attempt}
         (output_dir / COMPLETE).write_text(json.dumps(marker))
-        emit_rank0("completed", output_dir=str(output_dir), files=files, steps=step, final_loss=final_loss)
+        emit_rank0(EventKind.COMPLETED, output_dir=str(output_dir), files=files, steps=step, final_loss=final_loss)
     _barrier()
     return files
 

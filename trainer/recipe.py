@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from contract.codes import EventKind
 from contract.spec import ResolvedJob, RunSpec
 from trainer import checkpoint, elastic, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
@@ -202,9 +203,9 @@ def run(run_spec: RunSpec) -> None:
                 f"out of memory in the {phase} at step {step} with every setting of the on_oom ladder that applies "
                 f"(tried {tried}); last error: {message}")
         setting, change = found
-        emit_rank0("adapted", phase=phase, step=step, error=message[:500], change=change,
+        emit_rank0(EventKind.ADAPTED, phase=phase, step=step, error=message[:500], change=change,
                    previous=failed.shown(), setting=setting.shown(), attempt=run_spec.attempt)
-        emit_rank0("resolved", micro_batch_size=setting.micro_batch_size,
+        emit_rank0(EventKind.RESOLVED, micro_batch_size=setting.micro_batch_size,
                    gradient_accumulation_steps=setting.gradient_accumulation_steps,
                    reason=f"on_oom adapt after running out of memory in the {phase}: {change}")
 
@@ -264,7 +265,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
         micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
         accum = hp.global_batch_size // (micro * world)
-        emit_rank0("resolved", micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
+        emit_rank0(EventKind.RESOLVED, micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
     setting = guard.setting = oom.initial(job, micro, accum)
     cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
     zero_cfg = cfg.setdefault("zero_optimization", {})
@@ -307,7 +308,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
     ckpt_dir = Path(paths.checkpoint_dir)
     fence = Fence(Path(paths.job_dir), run_spec.attempt)
     state = checkpoint.resume(engine, ckpt_dir, rank, fence) or TrainerState()
-    emit_rank0("started", world_size=world, total_steps=total_steps,
+    emit_rank0(EventKind.STARTED, world_size=world, total_steps=total_steps,
                resumed_from_step=state.step if state.step else None, micro_batch_size=micro,
                gradient_accumulation_steps=setting.gradient_accumulation_steps,
                packing_efficiency=round(train_blocks.packing_efficiency, 4), n_params=n_params,
@@ -374,7 +375,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
             per_step = (now - run_start) / max(1, state.step - start_step)
             grad_norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
             emit_rank0(
-                "progress", step=state.step, total_steps=total_steps,
+                EventKind.PROGRESS, step=state.step, total_steps=total_steps,
                 epoch=round(state.epoch + state.next_batch / order.batches_per_epoch, 4),
                 loss=state.last_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
                 tokens_per_second=tps, tokens_seen=state.tokens_seen,
@@ -387,10 +388,10 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
 
         if eval_every and state.step % eval_every == 0 and state.step < total_steps:
             loss_v, ppl = evaluate_fn()
-            emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
+            emit_rank0(EventKind.EVAL, step=state.step, loss=loss_v, perplexity=ppl)
         if stop_votes > 0:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
-            emit_rank0("interrupted", step=state.step, reason="SIGTERM")
+            emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
             raise Interrupted(state.step)
         if every and state.step % every == 0:
             checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
@@ -398,7 +399,7 @@ def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine
 
     if val_blocks is not None:
         loss_v, ppl = evaluate_fn()
-        emit_rank0("eval", step=state.step, loss=loss_v, perplexity=ppl)
+        emit_rank0(EventKind.EVAL, step=state.step, loss=loss_v, perplexity=ppl)
     # The optimizer's state is dead weight now; an offloaded one fills most of host memory, where the
     # export then builds the model's files.
     memory.release_optimizer_state(engine)

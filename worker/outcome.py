@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.codes import FailureCode
+from contract.codes import FailureCode, JobStatus
 
 # Ordered: the first pattern found in the log tail names the error.
 LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [
@@ -48,9 +48,9 @@ def _signal_name(signum: int) -> str:
 
 
 class Status(str, enum.Enum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+    SUCCEEDED = JobStatus.SUCCEEDED.value
+    FAILED = JobStatus.FAILED.value
+    CANCELLED = JobStatus.CANCELLED.value
     STALE = "stale"  # superseded by a newer attempt: report nothing
     RELEASED = "released"  # the worker shut down after a checkpoint: the control plane requeues the job
 

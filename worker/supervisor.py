@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from contract.codes import FailureCode
+from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import (
     attempt_key,
     cancel_key,
@@ -298,19 +298,19 @@ class Attempt:
         for line in reader.take():
             self.rank_watch.see(line)
             self.tail.append(line)
-            self.pending.append(("log", {"rank": None, "line": line, **self.where}))
+            self.pending.append((EventKind.LOG, {"rank": None, "line": line, **self.where}))
         for rank, line in (ranks.close() if final else ranks.poll()):
             event = parse_trainer_event(line)
             if event is None:
                 self.tail.append(f"[rank {rank}] {line}")
-                self.pending.append(("log", {"rank": rank, "line": line, **self.where}))
+                self.pending.append((EventKind.LOG, {"rank": rank, "line": line, **self.where}))
                 continue
             kind = str(event.pop("event"))
-            if kind == "error" and self.trainer_error is None:
+            if kind == EventKind.ERROR and self.trainer_error is None:
                 self.trainer_error = event
-            if kind == "started" and not self.running_reported:
+            if kind == EventKind.STARTED and not self.running_reported:
                 self.running_reported = True
-                self.pending.append(("state", {"status": "running"}))
+                self.pending.append((EventKind.STATE, {"status": JobStatus.RUNNING}))
             self.pending.append((kind, event))
 
     # -- the attempt ----------------------------------------------------------------------------
@@ -381,7 +381,7 @@ class Attempt:
                 return self.decide(self.control(), None, output_dir, 0)
         argv = launcher_argv(s.python or sys.executable, contract.job.world_size, spec_file, log_dir,
                              contract.placement, gang)
-        self.pending.append(("log", {"rank": None, "line": "$ " + " ".join(argv)}))
+        self.pending.append((EventKind.LOG, {"rank": None, "line": "$ " + " ".join(argv)}))
         # The growth of the worker's children's CPU time: this job's alone on a node running one job at a time;
         # with several jobs at once it also counts the others' children that ended meanwhile (an upper bound).
         before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
@@ -423,7 +423,7 @@ class Attempt:
                         # The worker is shutting down (a deploy): checkpoint, then hand the job back.
                         reason, term_at = "released", now
                         kill_group(pgid, signal.SIGTERM)
-                        self.pending.append(("log", {"rank": None, "line": (
+                        self.pending.append((EventKind.LOG, {"rank": None, "line": (
                             "the worker is shutting down: the trainer saves a checkpoint and the job is "
                             "requeued to resume from it")}))
                 if term_at is not None and now - term_at > s.term_grace_seconds:
@@ -451,15 +451,17 @@ class Attempt:
             log.warning("job %s attempt %s was fenced by its guard: %s", self.job_id, self.attempt,
                         fenced.read_text())
         if not gone:
-            self.pending.append(("log", {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
+            self.pending.append((EventKind.LOG,
+                                 {"rank": None, "line": "warning: processes of this attempt outlived SIGKILL"}))
         elif (reason is not None or proc.returncode != 0) and RUNNING.alone():
             # Only while no other attempt of this node runs: another one may be building an op under its lock.
             for lock in release_stale_build_locks(ext_dir):
-                self.pending.append(("log", {"rank": None, "line": f"removed the stale op build lock {lock}"}))
+                self.pending.append((EventKind.LOG, {"rank": None, "line": f"removed the stale op build lock {lock}"}))
         folder = swap.attempt_folder(self.run_spec)
         # The trainer clears it after a completed export; a failed, cancelled or killed attempt cannot.
         if gone and folder is not None and swap.remove(folder):
-            self.pending.append(("log", {"rank": None, "line": f"removed the attempt's NVMe swap folder {folder}"}))
+            self.pending.append((EventKind.LOG,
+                                 {"rank": None, "line": f"removed the attempt's NVMe swap folder {folder}"}))
         # Killed here after its rank's own error: the error is the cause, not the kill.
         exit_code = 1 if errored_at is not None and proc.returncode != 0 else proc.returncode
         return self.decide(reason, exit_code, output_dir, time_limit)
@@ -539,14 +541,14 @@ class Attempt:
             self.part_over()
             log.warning("job %s attempt %s: part %d failed after another node's part did; that part reports the "
                         "job's error", self.job_id, self.attempt, self.part)
-            self.pending.append(("log", {"rank": None, "line": "another node's part of this job failed first: "
+            self.pending.append((EventKind.LOG, {"rank": None, "line": "another node's part of this job failed first: "
                                          "its error is the job's", **self.where}))
             self.flush()
             return
         if outcome.status is Status.FAILED and self.parts > 1 and self.peer_lost():
             log.warning("job %s attempt %s: part %d ended because another node was lost; the control plane "
                         "requeues the whole job", self.job_id, self.attempt, self.part)
-            self.pending.append(("log", {"rank": None, "line": "another node of this job was lost: its ranks "
+            self.pending.append((EventKind.LOG, {"rank": None, "line": "another node of this job was lost: its ranks "
                                          "ended too; the job is requeued as a whole", **self.where}))
             self.flush()
             outcome = Outcome(Status.STALE)
@@ -581,7 +583,7 @@ class Attempt:
             data["error"] = outcome.error
         if outcome.output:
             data["output"] = outcome.output
-        self.pending.append(("state", data))
+        self.pending.append((EventKind.STATE, data))
         # The terminal state must get through, whatever Redis is doing. The lease is renewed first on each
         # try, so that once Redis is back the control plane sees this worker alive (and does not requeue
         # the job) before it reads the state. The lease then stays a while: the terminal state must be
@@ -620,7 +622,7 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
     if r.exists(cancel_key(job_id)):
         outcome = Outcome(Status.CANCELLED)
     else:
-        att.pending.append(("state", {"status": "starting", "worker": att.worker_id}))
+        att.pending.append((EventKind.STATE, {"status": JobStatus.STARTING, "worker": att.worker_id}))
         att.flush()
         try:
             with RUNNING:

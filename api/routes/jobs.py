@@ -19,6 +19,7 @@ from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import idempotency, webhooks
 from api.services import jobs as service
 from api.services.estimate import DryRun
+from contract.codes import EventKind
 
 # Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
 COMMON = (401, 403, 413, 422, 503)
@@ -150,11 +151,11 @@ async def job_logs(job_id: JobId, caller: CallerDep, follow: bool = False, after
     if not await reads.exists(job_id, owner_of(caller)):
         raise reads.not_found(job_id)
     if follow:
-        return StreamingResponse(feeds.follow(job_id, after, ["log"], feeds.log_line),
+        return StreamingResponse(feeds.follow(job_id, after, [EventKind.LOG], feeds.log_line),
                                  media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)
     lines: list[str] = []
     while True:
-        rows = await reads.events_after(job_id, after, 5000, ["log"])
+        rows = await reads.events_after(job_id, after, 5000, [EventKind.LOG])
         if not rows:
             break
         lines += [feeds.log_line(feeds.event_of(r)) for r in rows]

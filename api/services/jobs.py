@@ -21,11 +21,12 @@ from sqlalchemy.orm import Session
 from api import pg, reads
 from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import TERMINAL, UNFINISHED, Job
+from api.models import Job
 from api.services import audit, events, idempotency
 from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
+from contract.codes import TERMINAL_STATUSES, UNFINISHED_STATUSES, EventKind, JobStatus, sql_list
 from contract.deepspeed import ResolveLimits, resolve
 from contract.protocol import cancel_key
 from contract.spec import JobSpec, ResolvedJob
@@ -51,7 +52,7 @@ def _patch_nvme(ds_config: dict[str, Any], nvme_path: str | None) -> None:
 # The owner's unfinished jobs and their GPUs (from the partial index ix_jobs_owner_unfinished), or nothing
 # counted where no limit applies.
 COUNT_USAGE = (f"SELECT count(*) AS jobs, coalesce(sum(gpus), 0) AS gpus FROM jobs "
-               f"WHERE owner = $9 AND status IN {UNFINISHED!r}")
+               f"WHERE owner = $9 AND status IN {sql_list(UNFINISHED_STATUSES)}")
 NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
 # The row, its first event (naming who submitted it) and its audit entry in one statement: all or nothing, in
 # one round trip. The row is inserted only within the quota ($11 jobs, $12 GPUs; null: no limit); otherwise
@@ -189,21 +190,21 @@ def get(*, session: Session, job_id: str, owner: str | None = None, lock: bool =
 
 def cancel(*, session: Session, client: redis.Redis, job_id: str, caller: Principal) -> Job:
     job = get(session=session, job_id=job_id, owner=None if caller.admin else caller.owner, lock=True)
-    if job.status in TERMINAL:
+    if job.status in TERMINAL_STATUSES:
         raise ApiError(409, ErrorCode.CONFLICT, f"job {job_id} already ended as {job.status}; it cannot be cancelled",
                        "status")
-    if job.status == "cancelling":
+    if job.status == JobStatus.CANCELLING:
         return job
     # Tell the workers first: if the commit below fails, the worker still stops and reports it.
     client.set(cancel_key(job.id), job.attempt, ex=CANCEL_KEY_TTL)
     actor, before = caller.actor(), job.status
-    if job.status == "queued":
-        job.status, job.finished_at = "cancelled", now()
-        events.append(session, job, "state", {"status": "cancelled", "reason": "cancelled before it started",
-                                              "actor": actor})
+    if job.status == JobStatus.QUEUED:
+        job.status, job.finished_at = JobStatus.CANCELLED, now()
+        events.append(session, job, EventKind.STATE, {"status": JobStatus.CANCELLED,
+                                                      "reason": "cancelled before it started", "actor": actor})
     else:
-        job.status = "cancelling"
-        events.append(session, job, "state", {"status": "cancelling", "actor": actor})
+        job.status = JobStatus.CANCELLING
+        events.append(session, job, EventKind.STATE, {"status": JobStatus.CANCELLING, "actor": actor})
     audit.record(session, caller, "job.cancel", job.id, {"owner": job.owner, "status_before": before})
     session.commit()
     return job

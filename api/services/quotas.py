@@ -14,9 +14,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.access import Principal
-from api.models import UNFINISHED, Job, OwnerQuota
+from api.models import Job, OwnerQuota
 from api.services import audit
 from api.settings import ApiSettings
+from contract.codes import UNFINISHED_STATUSES
 
 
 def effective(row: OwnerQuota | None, settings: ApiSettings) -> tuple[int | None, int | None]:
@@ -29,7 +30,7 @@ def get(*, session: Session, owner: str, settings: ApiSettings) -> dict[str, Any
     row = session.get(OwnerQuota, owner)
     jobs, gpus = effective(row, settings)
     count, used = session.execute(select(func.count(), func.coalesce(func.sum(Job.gpus), 0))
-                                  .where(Job.owner == owner, Job.status.in_(UNFINISHED))).one()
+                                  .where(Job.owner == owner, Job.status.in_(UNFINISHED_STATUSES))).one()
     return {"owner": owner, "max_active_jobs": jobs, "max_gpus": gpus,
             "set": {"max_active_jobs": row.max_active_jobs if row else None, "max_gpus": row.max_gpus if row else None},
             "usage": {"active_jobs": int(count), "gpus": int(used)}}

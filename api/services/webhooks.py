@@ -25,8 +25,9 @@ from sqlalchemy.orm import Session
 from api import pg, secretbox, webhooks
 from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import TERMINAL, Job
+from api.models import Job
 from api.settings import ApiSettings
+from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
 from contract.problems import FieldError
 from contract.spec import JobSpec
 
@@ -40,14 +41,14 @@ def new_id() -> str:
 def event_type(job: Job, kind: str, data: dict[str, Any]) -> str | None:
     """The webhook event an appended job event is, or None. State events count only where the row now has
     that state: an event the ingester kept but ignored (the job had ended) or a duplicate announces nothing."""
-    if kind == "checkpoint":
-        return "job.checkpoint" if data.get("committed") and job.status not in TERMINAL else None
-    if kind != "state" or "ignored" in data:
+    if kind == EventKind.CHECKPOINT:
+        return "job.checkpoint" if data.get("committed") and job.status not in TERMINAL_STATUSES else None
+    if kind != EventKind.STATE or "ignored" in data:
         return None
     status = data.get("status")
-    if status == "queued" and "previous_attempt" in data and job.status == "queued":
+    if status == JobStatus.QUEUED and "previous_attempt" in data and job.status == JobStatus.QUEUED:
         return "job.requeued"
-    if status in ("running", *TERMINAL) and job.status == status:
+    if status in (JobStatus.RUNNING, *TERMINAL_STATUSES) and job.status == status:
         return f"job.{status}"
     return None
 
