@@ -47,7 +47,7 @@ class EventKind(str, enum.Enum):
     def __str__(self) -> str:
         return str(self.value)
 
-    # Written by the worker (worker/supervisor.py) and the control plane (api/): `data.status` says which.
+    # Written by the worker (worker/attempt.py) and the control plane (api/): `data.status` says which.
     STATE = "state"
     LOG = "log"  # a line of the ranks' or the supervisor's output
     # Emitted by the trainer (python -m trainer).
@@ -80,7 +80,7 @@ class FailureCode(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # GPU memory (torch) or the host check (trainer/memory.py)
     SUPERSEDED = "superseded"  # a newer attempt holds the job's fence (trainer/fence.py)
     ELASTIC_RESUME_ERROR = "elastic_resume_error"  # a resume on another world size cannot go on (trainer/elastic.py)
-    # Decided by the worker from the attempt's end (worker/outcome.py, worker/supervisor.py).
+    # Decided by the worker from the attempt's end (worker/outcome.py, worker/attempt.py).
     NCCL_TIMEOUT = "nccl_timeout"
     KILLED = "killed"  # a rank ended by a signal nothing in the service sent
     TIME_LIMIT = "time_limit"

@@ -91,12 +91,12 @@ def test_the_worker_and_the_api_use_the_same_names() -> None:
     seen = fresh("""
 import json
 import api.dispatch, api.ingest, api.reaper, contract.protocol as n, contract.codes as c
-import worker.celery_app, worker.publisher, worker.supervisor, worker.tasks
+import worker.attempt, worker.celery_app, worker.gang, worker.lease, worker.publisher, worker.tasks
 print(json.dumps({
     "task": api.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
     "stream": api.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
-    "keys": api.reaper.lease_key is worker.supervisor.lease_key is n.lease_key,
-    "codes": api.reaper.FailureCode is worker.supervisor.FailureCode is c.FailureCode,
+    "keys": api.reaper.lease_key is worker.lease.lease_key is worker.gang.lease_key is n.lease_key,
+    "codes": api.reaper.FailureCode is worker.attempt.FailureCode is c.FailureCode,
     "task_registered": n.RUN_JOB in worker.celery_app.app.tasks,
 }))
 """)

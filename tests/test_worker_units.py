@@ -15,9 +15,9 @@ from tests.helpers import wait_for
 from trainer import swap
 from worker import prebuild
 from worker.logpump import RankLogTail, parse_trainer_event
+from worker.ops import extensions_dir, release_stale_build_locks
 from worker.outcome import classify_failure, read_completion
 from worker.settings import WorkerSettings
-from worker.supervisor import extensions_dir, release_stale_build_locks
 
 REPO = Path(__file__).resolve().parents[1]
 

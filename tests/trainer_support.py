@@ -111,8 +111,8 @@ def ops_dir() -> Path:
     this machine became able to build since (libaio-dev installed later) is built first, by one process at a
     time (worker.prebuild), as a worker does at start: never by two launches' ranks at once."""
     from worker import prebuild
+    from worker.ops import extensions_dir
     from worker.settings import WorkerSettings
-    from worker.supervisor import extensions_dir
 
     folder = extensions_dir(WorkerSettings())
     prebuild.ensure(folder)

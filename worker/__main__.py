@@ -14,8 +14,8 @@ import sys
 
 from worker import prebuild
 from worker.node import NodeSettings, describe
+from worker.ops import extensions_dir
 from worker.settings import WorkerSettings
-from worker.supervisor import extensions_dir
 
 
 def argv(extra: list[str]) -> list[str]:

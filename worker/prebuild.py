@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from worker.ops import extensions_dir, release_stale_build_locks
 from worker.settings import WorkerSettings
-from worker.supervisor import extensions_dir, release_stale_build_locks
 
 log = logging.getLogger("worker.prebuild")
 

@@ -7,8 +7,8 @@ from typing import Any
 from celery.worker import state
 
 from contract.protocol import RUN_JOB
+from worker.attempt import supervise
 from worker.celery_app import app, settings
-from worker.supervisor import supervise
 
 
 def _shutting_down() -> bool:
