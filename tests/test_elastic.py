@@ -9,10 +9,6 @@ the data position, counted in global batches, names the same rows on either worl
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -27,6 +23,7 @@ from tests.trainer_support import (  # noqa: E402
     launch,
     make_job,
     of,
+    stop_after_checkpoint,
     write_run_spec,
 )
 
@@ -40,13 +37,6 @@ EVERY = 4
 # 1e-7 relative; 1e-5 is the bound of the same-world resume test (test_trainer_matrix), and a skipped or
 # repeated batch moves the loss by more than 1e-2 here.
 LOSS_REL_TOL = 1e-5
-
-
-def _stop_after_checkpoint(step: int) -> Callable[[Event, subprocess.Popen[str]], None]:
-    def on_event(event: Event, proc: subprocess.Popen[str]) -> None:
-        if event["event"] == "checkpoint" and event["step"] == step:
-            os.killpg(proc.pid, signal.SIGTERM)
-    return on_event
 
 
 def _spec(tmp: Path, job: dict[str, Any], job_dir: Path, procs: int, attempt: int) -> Path:
@@ -82,7 +72,7 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     job_dir = tmp / "job"
     runs: list[tuple[int, list[Event]]] = []
     for attempt, (procs, stop_at) in enumerate([(2, EVERY), (1, 2 * EVERY), (2, None)], start=1):
-        on_event = _stop_after_checkpoint(stop_at) if stop_at else None
+        on_event = stop_after_checkpoint(stop_at) if stop_at else None
         rc, events, tail = launch(_spec(tmp, job, job_dir, procs, attempt), procs=procs, on_event=on_event)
         assert not of(events, "error"), tail
         assert (rc == 0) == (stop_at is None), tail

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import signal
 import socket
@@ -175,24 +176,71 @@ def assert_loads_and_generates(out: Path) -> None:
     assert isinstance(tok.decode(gen[0, ids["input_ids"].shape[1]:]), str)
 
 
-def straight_and_resumed(tmp_path: Path, job: dict[str, Any], stop_after_checkpoint: int
-                         ) -> tuple[list[Event], list[Event], list[Event], Event]:
-    """The job run straight (into `a/`), and again (into `b/`) stopped by SIGTERM once the checkpoint of
-    step `stop_after_checkpoint` is committed, then resumed to the end: (straight, first, resumed, the
-    `interrupted` event). SIGTERM is honoured at the next optimizer-step boundary, checkpointed."""
-    rc, straight, tail = launch(write_run_spec(tmp_path, job, job_dir=tmp_path / "a"))
-    assert rc == 0, tail
-    spec_b = write_run_spec(tmp_path, job, job_dir=tmp_path / "b")
-
-    def stop(event: Event, proc: subprocess.Popen[str]) -> None:
-        if event["event"] == "checkpoint" and event["step"] == stop_after_checkpoint:
+def stop_after_checkpoint(step: int) -> Callable[[Event, subprocess.Popen[str]], None]:
+    """An `on_event` for `launch`: SIGTERM to the launcher and every rank once the checkpoint of `step` is
+    committed. The trainer honours it at the next optimizer-step boundary, checkpointed."""
+    def on_event(event: Event, proc: subprocess.Popen[str]) -> None:
+        if event["event"] == "checkpoint" and event["step"] == step:
             os.killpg(proc.pid, signal.SIGTERM)
+    return on_event
 
-    rc, first, tail = launch(spec_b, on_event=stop)
-    (stopped,) = of(first, "interrupted")
-    assert rc != 0 and not of(first, "completed"), tail
-    rc, second, tail = launch(spec_b)
+
+# --- A small standard job and what every successful run of it must show (tests/test_trainer_matrix.py and
+# tests/test_trainer_options.py). ---
+
+STEPS = 12
+
+
+def small_job(model: Path, train: Path, **overrides: Any) -> dict[str, Any]:
+    """12 steps of global batch 8 (micro 2 x accumulation 2 x 2 ranks), seq_len 64, a 10% validation split
+    evaluated every 6 steps, no checkpoints unless an override asks for them."""
+    base = make_job(model, train, data={"validation_fraction": 0.1},
+                    hyperparameters={"max_steps": STEPS, "learning_rate": 3e-3, "warmup_steps": 2,
+                                     "eval_every_steps": 6},
+                    checkpointing={"every_steps": None})
+    for key, value in overrides.items():
+        base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value
+    return base
+
+
+def train_file(tmp_path: Path, corpus: str) -> Path:
+    train = tmp_path / "train.txt"
+    train.write_text(corpus)
+    return train
+
+
+def assert_loss_falls(events: list[Event]) -> None:
+    losses = [p["loss"] for p in of(events, "progress")]
+    assert len(losses) >= 6 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def assert_eval_events(events: list[Event], steps: list[int]) -> None:
+    evals = of(events, "eval")
+    assert [e["step"] for e in evals] == steps, evals
+    for e in evals:
+        assert math.isfinite(e["loss"]) and e["loss"] > 0
+        assert e["perplexity"] == pytest.approx(math.exp(e["loss"]), rel=1e-9)
+
+
+def assert_completed(events: list[Event], tail: str, out: Path, steps: int) -> None:
+    assert not of(events, "error"), tail
+    (done,) = of(events, "completed")
+    assert done["steps"] == steps and done["output_dir"] == str(out)
+    assert json.loads((out / "COMPLETE").read_text())["step"] == steps
+
+
+def train_and_check(tmp_path: Path, job: dict[str, Any]) -> list[Event]:
+    """Launch a standard job without checkpoints and check what every successful one must show: loss falls,
+    evals at 6 and the end, no checkpoint (checkpointing.every_steps None), completion marker, and an export
+    that loads and generates."""
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
     assert rc == 0, tail
-    assert of(second, "started")[0]["resumed_from_step"] == stopped["step"]
-    return straight, first, second, stopped
-
+    assert_loss_falls(events)
+    # The validation split (validation_fraction) is evaluated every 6 steps and once at the end.
+    assert_eval_events(events, [6, STEPS])
+    assert not of(events, "checkpoint")
+    out = tmp_path / "job" / "output"
+    assert_completed(events, tail, out, STEPS)
+    assert_loads_and_generates(out)
+    return events
