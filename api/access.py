@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 
-from api import pg
 from api.settings import get_settings
+from db import pool as pg
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
 from api.access import Principal, Scope
-from api.db import _factory
 from api.settings import ApiSettings, get_settings
+from db.engine import _factory
 
 log = logging.getLogger(__name__)
 

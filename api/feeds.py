@@ -20,9 +20,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from api import pg, reads
+from api import reads
 from api.errors import ApiError
 from contract.codes import TERMINAL_STATUSES
+from db import pool as pg
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Feed:
             self._wake.clear()
             try:
                 got = await self._poll()
-            except (*pg.UNREACHABLE, ApiError) as exc:  # ApiError: the 503 that api.pg raises for an outage
+            except (*pg.UNREACHABLE, ApiError) as exc:  # ApiError: the 503 that db.pool raises for an outage
                 log.warning("Postgres unreachable while following job %s (%s); retrying", self.job_id,
                             type(exc).__name__)
                 await asyncio.sleep(delay)

@@ -17,8 +17,8 @@ import gc
 import time
 from typing import Any
 
-from api.db import _factory
 from api.metrics import GC_PAUSE
+from db.engine import _factory
 
 
 def settle() -> None:

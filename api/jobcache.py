@@ -2,7 +2,7 @@
 
 Dashboards poll `GET /jobs/{id}` for the same few jobs all day; each poll used to cost a query whose
 answer had not changed. Migration 0008's trigger notifies `ft_jobs` with the id of every job row a
-statement changed, at its commit; this process's one LISTEN connection (api.pg) drops that entry.
+statement changed, at its commit; this process's one LISTEN connection (db.pool) drops that entry.
 
 Before a hit is served, the process makes sure it has been told of every change committed before the
 request came (pg.caught_up: one round trip on the listening connection, shared by the requests that arrive
@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from api import pg
+from db import pool as pg
 
 CHANNEL = "ft_jobs"
 MAX_AGE_SECONDS = 30.0

@@ -17,10 +17,10 @@ import sys
 from datetime import datetime, timedelta, timezone
 
 from api.access import Scope
-from api.db import _factory
 from api.errors import ApiError
 from api.schemas import OWNER_PATTERN
-from api.services import keys as service
+from db import keys as service
+from db.engine import _factory
 
 SCOPES = [s.value for s in Scope]
 

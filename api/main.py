@@ -12,12 +12,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api import errors, heap, pg
+from api import errors, heap
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
 from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
-from api.services import idempotency
-from api.settings import ApiSettings, get_settings, settings_or_exit
+from api.settings import ApiSettings, api_settings_or_exit, get_settings
+from db import idempotency
+from db import pool as pg
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
-    settings = settings or settings_or_exit("API")
+    settings = settings or api_settings_or_exit()
     app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")

@@ -65,7 +65,7 @@ from prometheus_client.core import GaugeMetricFamily  # noqa: E402
 from prometheus_client.registry import Collector  # noqa: E402
 from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
-from api import pg  # noqa: E402
+from db import pool as pg  # noqa: E402
 
 PATH = "/metrics"
 # A client chooses the method: anything else is counted as one value, so it cannot make series without bound.

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from api import pg
 from api.errors import ApiError, ErrorCode, invalid
 from api.jobcache import JobCache
 from api.settings import get_settings
 from contract.codes import UNFINISHED_STATUSES, sql_list
 from contract.problems import FieldError
+from db import pool as pg
 
 # Progress keys every reader may rely on, null until the trainer reports them.
 PROGRESS_DEFAULTS = ('\'{"step": 0, "total_steps": null, "epoch": null, "loss": null, '

@@ -61,7 +61,7 @@ class EventKind(str, enum.Enum):
     INTERRUPTED = "interrupted"
     COMPLETED = "completed"
     ERROR = "error"
-    # Written by the ingester for a stream entry it cannot read (api/ingest.py).
+    # Written by the ingester for a stream entry it cannot read (controlplane/ingest.py).
     UNREADABLE = "unreadable"
 
 
@@ -85,5 +85,5 @@ class FailureCode(str, enum.Enum):
     KILLED = "killed"  # a rank ended by a signal nothing in the service sent
     TIME_LIMIT = "time_limit"
     WORKER_ERROR = "worker_error"  # the supervisor itself failed
-    # Decided by the control plane (api/reaper.py).
+    # Decided by the control plane (controlplane/reaper.py).
     WORKER_LOST = "worker_lost"

@@ -60,7 +60,7 @@ def rendezvous_key(job_id: str, attempt: int) -> str:
     return f"ft:job:{job_id}:rendezvous:{attempt}"
 
 
-# -- nodes (worker/node.py announces them, api/scheduler.py places jobs on them) -------------------
+# -- nodes (worker/node.py announces them, controlplane/scheduler.py places jobs on them) -------------------
 NODES_SET = "ft:nodes"  # every node name ever announced: the control plane reads each one's key
 NODE_QUEUE_PREFIX = "node."
 

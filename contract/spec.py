@@ -383,7 +383,7 @@ class LoraSpec(_Strict):
 
 
 class Notifications(_Strict):
-    """Whom the service tells about the job. The API's alone (api/webhooks.py): the trainer ignores it."""
+    """Whom the service tells about the job. The API's alone (core/webhooks.py): the trainer ignores it."""
 
     webhook_url: WebhookUrl | None = Field(
         default=None,
@@ -471,7 +471,7 @@ class GangMember(_Strict):
 
 
 class NodeShare(_Strict):
-    """One node's part of a placed job, as the control plane chose it (api/scheduler.py)."""
+    """One node's part of a placed job, as the control plane chose it (controlplane/scheduler.py)."""
 
     node: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     devices: list[str] = Field(min_length=1, max_length=1024,

@@ -7,9 +7,9 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine
 
-from api import models  # noqa: F401  (registers the tables)
-from api.db import Base
 from api.settings import get_settings
+from db import models  # noqa: F401  (registers the tables)
+from db.engine import Base
 
 config = context.config
 if config.config_file_name:

@@ -48,8 +48,8 @@ def ensure_dev_key(path: Path = DEV_KEY) -> str:
     from sqlalchemy import text
 
     from api import access
-    from api.db import _factory
-    from api.services import keys
+    from db import keys
+    from db.engine import _factory
 
     with _factory()() as session:
         if path.is_file():
@@ -97,7 +97,7 @@ class Stack:
                             "--workers", workers, "--log-level", "warning", "--no-access-log"])
 
     def start_controlplane(self) -> None:
-        self._start("controlplane", [sys.executable, "-m", "api.controlplane"])
+        self._start("controlplane", [sys.executable, "-m", "controlplane"])
 
     def start_worker(self, name: str = "worker1", queues: str | None = None, *, node: str | None = None,
                      slots: int | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

@@ -204,9 +204,9 @@ def states(dsn: str, job_id: str) -> list[tuple[int, str]]:
 
 def commit_without_ack() -> int:
     """Read a batch as the control plane's ingester, commit it to Postgres, then die before acknowledging."""
-    from api.db import session_scope
-    from api.ingest import Ingester, store
     from api.settings import get_settings
+    from controlplane.ingest import Ingester, store
+    from db.engine import session_scope
 
     client = redis.Redis.from_url(get_settings().redis_url)
     ingester = Ingester(client)

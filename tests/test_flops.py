@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from api.ingest import apply_event
-from api.models import Job
+from controlplane.ingest import apply_event
+from db.models import Job
 from trainer import flops
 from trainer.data import pack
 

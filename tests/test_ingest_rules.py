@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api.ingest import apply_event
-from api.models import Job
+from controlplane.ingest import apply_event
+from db.models import Job
 
 
 def job(status: str = "running") -> Job:

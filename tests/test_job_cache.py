@@ -101,8 +101,8 @@ def test_a_channel_subscribed_on_a_live_connection_is_trusted_only_once_it_is_li
     start-up does that). Until that channel's LISTEN has run, a change on it is notified to no one, so
     `listening(channel)` must say False meanwhile, and the channel's on_connect must run once it is heard
     (a cache drops what it read before). Once heard, every change is delivered."""
-    from api import pg
     from api.settings import get_settings
+    from db import pool as pg
 
     monkeypatch.setenv("FT_DATABASE_URL", stack_env["FT_DATABASE_URL"])
     get_settings.cache_clear()

@@ -25,9 +25,9 @@ import psycopg
 import pytest
 import redis
 
-from api.ingest import _clean, apply_event
-from api.models import Job
 from contract.protocol import EVENTS_STREAM, INGEST_GROUP
+from controlplane.ingest import _clean, apply_event
+from db.models import Job
 from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
 from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
 from tests.outage_support import (
@@ -384,7 +384,7 @@ def test_values_postgres_refuses_are_made_storable() -> None:
 
 
 def test_redis_loss_is_told_by_the_marker(private_redis: PrivateRedis) -> None:
-    from api.reaper import DATASET_KEY, RedisLossWatch
+    from controlplane.reaper import DATASET_KEY, RedisLossWatch
 
     client = redis.Redis.from_url(private_redis.url.rsplit("/", 1)[0] + "/5")
     client.flushdb()

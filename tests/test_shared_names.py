@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every module of the api package imported in one fresh interpreter, then what that pulled in.
 PROBE = """
 import importlib, json, pkgutil, sys
-import api
-names = sorted(m.name for m in pkgutil.walk_packages(api.__path__, "api."))
+names = []
+for package in ("api", "controlplane", "db", "core"):
+    root = importlib.import_module(package)
+    found = pkgutil.walk_packages(root.__path__, package + ".")
+    names += sorted(m.name for m in found if m.name != "controlplane.__main__")
 for name in names:
     importlib.import_module(name)
 print(json.dumps({"imported": names, "torch": "torch" in sys.modules,
@@ -38,8 +41,8 @@ def test_importing_every_api_module_imports_neither_torch_nor_any_worker_module(
     imported = seen["imported"]
     assert isinstance(imported, list)
     # The walk really reached the modules that use the shared names.
-    assert {"api.main", "api.controlplane", "api.dispatch", "api.reaper", "api.scheduler", "api.ingest",
-            "api.services.jobs"} <= set(imported)
+    assert {"api.main", "controlplane.main", "controlplane.dispatch", "controlplane.reaper",
+            "controlplane.scheduler", "controlplane.ingest", "api.services.jobs"} <= set(imported)
     assert seen["torch"] is False
     assert seen["worker"] == []
 
@@ -90,13 +93,13 @@ def test_the_worker_and_the_api_use_the_same_names() -> None:
     # Both sides spell each name through the one module: the objects they hold are the very same.
     seen = fresh("""
 import json
-import api.dispatch, api.ingest, api.reaper, contract.protocol as n, contract.codes as c
+import controlplane.dispatch, controlplane.ingest, controlplane.reaper, contract.protocol as n, contract.codes as c
 import worker.attempt, worker.celery_app, worker.gang, worker.lease, worker.publisher, worker.tasks
 print(json.dumps({
-    "task": api.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
-    "stream": api.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
-    "keys": api.reaper.lease_key is worker.lease.lease_key is worker.gang.lease_key is n.lease_key,
-    "codes": api.reaper.FailureCode is worker.attempt.FailureCode is c.FailureCode,
+    "task": controlplane.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
+    "stream": controlplane.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
+    "keys": controlplane.reaper.lease_key is worker.lease.lease_key is worker.gang.lease_key is n.lease_key,
+    "codes": controlplane.reaper.FailureCode is worker.attempt.FailureCode is c.FailureCode,
     "task_registered": n.RUN_JOB in worker.celery_app.app.tasks,
 }))
 """)
@@ -105,8 +108,8 @@ print(json.dumps({
 
 def test_the_job_statuses_are_the_ones_the_table_allows() -> None:
     # The enum, the ORM's constraint and the first migration's constraint name the same set.
-    from api.models import Job
     from contract.codes import JobStatus, sql_list
+    from db.models import Job
 
     allowed = f"status IN {sql_list(JobStatus)}"
     migration = (ROOT / "migrations/versions/0001_create_jobs_and_job_events.py").read_text()

@@ -26,11 +26,11 @@ import httpx
 import psycopg
 import pytest
 
-from api import secretbox, webhooks
-from api.deliverer import Claimed, Deliverer, backoff
-from api.models import Job
-from api.services.webhooks import event_type
 from api.settings import ApiSettings
+from controlplane.deliverer import Claimed, Deliverer, backoff
+from core import secretbox, webhooks
+from db.models import Job
+from db.webhooks import event_type
 from tests.apiproc import ApiProcess, add_key, fixed_key
 from tests.helpers import wait_for, wait_status
 

@@ -21,7 +21,7 @@ from worker.settings import WorkerSettings
 def argv(extra: list[str]) -> list[str]:
     node = NodeSettings()
     slots = describe(node, [], 1)["slots"]
-    queues = os.environ.get("FT_QUEUES", "default")
+    queues = WorkerSettings().queues
     base = [sys.executable, "-m", "celery", "-A", "worker.celery_app:app", "worker", "--pool", "threads",
             "--concurrency", str(slots), "-n", f"{node.name}@%h", "--without-gossip", "--without-mingle",
             "--loglevel", "INFO"]

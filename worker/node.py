@@ -2,7 +2,7 @@
 
 The worker announces its node in Redis (`ft:node:<name>`, JSON, with a TTL of one lease that a thread
 renews every heartbeat) and never touches Postgres: the control plane copies the announcements into its
-`nodes` table and places jobs on them (api/scheduler.py). A node whose key expired is lost and receives
+`nodes` table and places jobs on them (controlplane/scheduler.py). A node whose key expired is lost and receives
 nothing. The worker consumes only its node's own Celery queue (`node.<name>`); the queues given with
 `-Q` are what it announces it serves, so a node joins with the same command line as before.
 

@@ -20,7 +20,7 @@ class Publisher:
         self.job_id = job_id
         self.attempt = attempt
         # The stream id of the last event this publisher added: what the control plane must have ingested
-        # before it acts on a hand-back (api/reaper.py), lest the attempt's last events arrive superseded.
+        # before it acts on a hand-back (controlplane/reaper.py), lest the attempt's last events arrive superseded.
         self.last_id: str | None = None
 
     def _fields(self, kind: str, data: dict[str, Any]) -> dict[str, str]:

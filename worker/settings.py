@@ -1,21 +1,15 @@
-"""Worker settings, read from the environment (prefix FT_)."""
+"""The worker's settings, read from the environment (prefix FT_); the keys it shares with the API and the control
+plane are declared once in core/settings.py."""
 
 from __future__ import annotations
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
+from core.settings import SharedSettings
 from worker.priority import Priority
 
 
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    broker_url: str | None = None  # defaults to redis_url
-    artifacts_root: str = "./var/artifacts"
-    queues: str = "default"  # comma-separated Celery queues this worker serves
+class WorkerSettings(SharedSettings):
+    queues: str = "default"  # comma-separated Celery queues this worker serves (-Q of `python -m worker` wins)
     heartbeat_seconds: float = 2.0
-    lease_ttl_seconds: float = 10.0
     poll_seconds: float = 0.2
     # SIGTERM lets the trainer save a checkpoint before it exits; after this it is killed.
     term_grace_seconds: float = 30.0
@@ -28,7 +22,3 @@ class WorkerSettings(BaseSettings):
     # How much of the node's CPU the launcher and ranks may take from the worker, its guards and whatever else
     # runs there (worker/priority.py): normal, low (nice 10) or idle (SCHED_IDLE; scripts.stack's default).
     trainer_priority: Priority = "low"
-
-    @property
-    def broker(self) -> str:
-        return self.broker_url or self.redis_url

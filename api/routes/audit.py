@@ -10,7 +10,7 @@ from api.access import Scope
 from api.deps import SessionDep, scoped
 from api.errors import responses
 from api.schemas import AuditPage
-from api.services import audit as service
+from db import audit as service
 
 router = APIRouter(prefix="/audit", tags=["audit"], responses=responses(401, 403, 413, 422, 503))
 

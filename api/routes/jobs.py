@@ -16,10 +16,10 @@ from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, scoped
 from api.errors import ApiError, ErrorCode, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
-from api.services import idempotency, webhooks
 from api.services import jobs as service
 from api.services.estimate import DryRun
 from contract.codes import EventKind
+from db import idempotency, webhooks
 
 # Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
 COMMON = (401, 403, 413, 422, 503)

@@ -12,12 +12,12 @@ from api.deps import CallerDep, SessionDep, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.schemas import OWNER_PATTERN, Key, KeyCreate, KeyCreated, KeyList
-from api.services import keys as service
+from db import keys as service
 
 router = APIRouter(prefix="/keys", tags=["keys"], route_class=StrictJSONRoute,
                    responses=responses(401, 403, 413, 422, 503))
 KEY_ID = r"^[A-Za-z0-9_-]{1,40}$"
-# What `POST /keys` makes (api/services/keys.py new_id): a list cursor is one of those, or it cannot match.
+# What `POST /keys` makes (db/keys.py new_id): a list cursor is one of those, or it cannot match.
 KEY_ID_PATTERN = r"^key_[0-9a-f]{16}$"
 ADMIN = scoped(Scope.ADMIN)
 

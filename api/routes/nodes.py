@@ -1,4 +1,4 @@
-"""Nodes: the cluster as the control plane sees it (announced by the workers, api/scheduler.py)."""
+"""Nodes: the cluster as the control plane sees it (announced by the workers, controlplane/scheduler.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from api.deps import CallerDep, SessionDep, SettingsDep, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.schemas import OWNER_PATTERN, Quota, QuotaSet
-from api.services import quotas as service
+from db import quotas as service
 
 router = APIRouter(prefix="/owners", tags=["owners"], route_class=StrictJSONRoute,
                    responses=responses(401, 403, 413, 422, 503))

@@ -13,7 +13,7 @@ from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.routes.jobs import COMMON, MAX_SEQ, JobId, JSONBytes, owner_of
 from api.schemas import OWNER_PATTERN, DeliveryPage, OwnerWebhook, OwnerWebhookSet
-from api.services import webhooks as service
+from db import webhooks as service
 
 router = APIRouter(tags=["webhooks"], route_class=StrictJSONRoute, responses=responses(*COMMON))
 Owner = Annotated[str, Path(pattern=OWNER_PATTERN, description="A team or project name, as keys name it")]

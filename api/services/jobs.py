@@ -1,5 +1,5 @@
 """Job writes: submit and cancel. Routes call these and nothing else; sending to the workers is the
-control plane's (api/dispatcher.py).
+control plane's (controlplane/dispatcher.py).
 
 A submit is filed under the caller's owner, counted against the owner's quota and, with an
 Idempotency-Key, recorded for retries, all in the transaction that inserts the row: a refused submit
@@ -18,11 +18,9 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api import pg, reads
+from api import reads
 from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import Job
-from api.services import audit, events, idempotency
 from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings
@@ -30,6 +28,9 @@ from contract.codes import TERMINAL_STATUSES, UNFINISHED_STATUSES, EventKind, Jo
 from contract.deepspeed import ResolveLimits, resolve
 from contract.protocol import cancel_key
 from contract.spec import JobSpec, ResolvedJob
+from db import audit, events, idempotency
+from db import pool as pg
+from db.models import Job
 
 CANCEL_KEY_TTL = 30 * 24 * 3600
 

@@ -25,7 +25,7 @@ WHERE resolved->'spec'->'resources' ? 'priority'"""
 def upgrade() -> None:
     op.add_column("jobs", sa.Column("priority", sa.Integer(), nullable=False, server_default="0"))
     op.execute(BACKFILL)
-    # The scheduler's read (api/scheduler.py): for each queue and each owner with waiting jobs, that owner's
+    # The scheduler's read (controlplane/scheduler.py): for each queue and each owner with waiting jobs, that owner's
     # first jobs by priority then age, so a pass reads a bounded number of entries however long the queue.
     # Only waiting, unplaced jobs are in it: it stays as small as the backlog.
     op.create_index("ix_jobs_waiting", "jobs", ["queue", "owner", sa.text("priority DESC"), "seq"],

@@ -1,4 +1,4 @@
-"""Owners' webhook signing secrets encrypted at rest (api/secretbox.py) with FT_SECRETS_KEY; the few characters
+"""Owners' webhook signing secrets encrypted at rest (core/secretbox.py) with FT_SECRETS_KEY; the few characters
 the API shows to tell secrets apart get a column of their own, since the ciphertext's would tell nothing.
 
 The upgrade encrypts every plain-text secret with the first key of FT_SECRETS_KEY (in development, unset: the
@@ -12,9 +12,9 @@ Revises: 0008
 import sqlalchemy as sa
 from alembic import op
 
-from api import secretbox
+from core import secretbox
 from api.settings import get_settings
-from api.webhooks import SECRET_PREFIX, SHOWN_PREFIX
+from core.webhooks import SECRET_PREFIX, SHOWN_PREFIX
 
 revision = "0009"
 down_revision = "0008"

@@ -11,7 +11,6 @@ not running, so it leaves the gauges at the next scrape, and no series outlives 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,12 +20,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import text
 
-from api.db import session_scope
 from contract.codes import ACTIVE_STATUSES, sql_list
+from db.engine import session_scope
 
 log = logging.getLogger(__name__)
 
-PORT_VARIABLE = "FT_CONTROLPLANE_METRICS_PORT"
 REGISTRY = CollectorRegistry()
 INGEST_LAG = Histogram("ft_ingest_lag_seconds", "From a worker publishing an event to the control plane storing it "
                        "in Postgres", buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
@@ -81,13 +79,12 @@ class RunningJobs(Collector):
 REGISTRY.register(RunningJobs())
 
 
-def start() -> int | None:
-    """Serves the metrics on FT_CONTROLPLANE_METRICS_PORT (all interfaces: Prometheus scrapes it from its own
-    container); returns the port, or None where it is unset."""
-    port = os.environ.get(PORT_VARIABLE, "").strip()
-    if not port:
+def start(port: int | None) -> int | None:
+    """Serves the metrics on `port` (FT_CONTROLPLANE_METRICS_PORT; all interfaces: Prometheus scrapes it from its
+    own container); returns the port, or None where it is unset."""
+    if port is None:
         return None
-    start_http_server(int(port), registry=REGISTRY)
+    start_http_server(port, registry=REGISTRY)
     log.info("metrics on port %s", port)
     return int(port)
 

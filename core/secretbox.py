@@ -5,18 +5,18 @@ every delivery computes an HMAC with it. So it is encrypted with a key Postgres 
 table (a backup, a replica, a leaked dump) learns nothing of it without `FT_SECRETS_KEY` too.
 
 `FT_SECRETS_KEY` is a comma-separated list of keys, each 32 random bytes in URL-safe base64
-(`python -m api.secretbox new-key` prints one). The first seals; all of them open. A sealed value is
+(`python -m core.secretbox new-key` prints one). The first seals; all of them open. A sealed value is
 `v1:<key id>:<base64 of nonce and ciphertext>`: the key id (a digest of the key, not the key) says which key
 sealed it, so a value no configured key opens is named as such instead of failing as "corrupt". The
 associated data binds a value to its row (the owner), so a sealed secret copied onto another owner's row
 does not open.
 
-Rotation: put the new key first and keep the old one after it, restart, run `python -m api.secretbox rotate`
+Rotation: put the new key first and keep the old one after it, restart, run `python -m core.secretbox rotate`
 (re-seals every stored secret under the first key), then drop the old key and restart again.
 
 In development (FT_ENV=development) an unset key means a fixed development key, with a warning: the tests and
 `make demo` run without configuring anything, and data sealed with it stays readable across `make clean`.
-Anywhere else an unset or malformed key stops the API and the control plane at start (api/settings.py).
+Anywhere else an unset or malformed key stops the API and the control plane at start (core/settings.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 if TYPE_CHECKING:
-    from api.settings import ApiSettings
+    from core.settings import StoreSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,11 @@ def parse_keys(text: str) -> list[bytes]:
             key = b""
         if len(key) != KEY_BYTES:
             raise KeyProblem(f"{SETTING}: key {i + 1} of the list is not {KEY_BYTES} bytes in URL-safe base64; "
-                             "make one with `python -m api.secretbox new-key`")
+                             "make one with `python -m core.secretbox new-key`")
         keys.append(key)
     if not keys:
         raise KeyProblem(f"{SETTING} is not set; outside development (FT_ENV=development) the service needs it to "
-                         "encrypt webhook secrets. Make one with `python -m api.secretbox new-key`")
+                         "encrypt webhook secrets. Make one with `python -m core.secretbox new-key`")
     return keys
 
 
@@ -92,7 +92,7 @@ def check_setting(text: str, *, development: bool) -> None:
     keys = parse_keys(text)
     if not development and keys[0] == parse_keys(DEVELOPMENT_KEY)[0]:
         raise KeyProblem(f"{SETTING}: its first key is the public development key, which encrypts nothing outside "
-                         "development; put a key of your own first (`python -m api.secretbox new-key`)")
+                         "development; put a key of your own first (`python -m core.secretbox new-key`)")
 
 
 class Keyring:
@@ -113,7 +113,7 @@ class Keyring:
         version, kid, body = (stored.split(":", 2) + ["", ""])[:3]
         if version != VERSION or not body:
             raise Unreadable("the stored value is not an encrypted secret (run the migrations, or "
-                             "`python -m api.secretbox rotate` to encrypt values written by an older version)")
+                             "`python -m core.secretbox rotate` to encrypt values written by an older version)")
         cipher = self._ciphers.get(kid)
         if cipher is None:
             raise Unreadable(f"it was encrypted with key {kid}, which {SETTING} does not hold (it holds "
@@ -138,7 +138,7 @@ def _keyring(text: str, development: bool) -> Keyring:
     return Keyring(parse_keys(text))
 
 
-def keyring(settings: ApiSettings) -> Keyring:
+def keyring(settings: StoreSettings) -> Keyring:
     return _keyring(settings.secrets_key.get_secret_value(), settings.development)
 
 
@@ -154,8 +154,8 @@ def main(argv: list[str]) -> int:
         print(new_key())
         return 0
     if argv == ["rotate"]:
-        from api.services.webhooks import reseal_all
         from api.settings import get_settings
+        from db.webhooks import reseal_all
 
         settings = get_settings()
         changed, total, unreadable = reseal_all(settings)
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
                   "are re-encrypted, or have those owners rotate their secrets", file=sys.stderr)
             return 1
         return 0
-    print("usage: python -m api.secretbox new-key | rotate", file=sys.stderr)
+    print("usage: python -m core.secretbox new-key | rotate", file=sys.stderr)
     return 2
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import redis
 from celery import Celery
 
-from api.settings import get_settings
 from contract.protocol import RUN_JOB, attempt_key, lease_key, node_queue
 from contract.spec import GangMember, NodeShare, RunPaths, RunSpec
+from controlplane.settings import ControlPlaneSettings
 
 
 @lru_cache
@@ -37,7 +37,7 @@ def dispatch(client: redis.Redis, *, job_id: str, attempt: int, job_dir: str, re
         # here) only label the task in the workers' logs: the ids say everything.
         kwargs = {"job_id": job_id, "attempt": attempt, "job_dir": job_dir, "run": run}
         label = f"{{job_id: {job_id}, attempt: {attempt}, node: {part['node']}}}"
-        producer(get_settings().broker).send_task(RUN_JOB, kwargs=kwargs, queue=node_queue(part["node"]),
+        producer(ControlPlaneSettings().broker).send_task(RUN_JOB, kwargs=kwargs, queue=node_queue(part["node"]),
                                                   argsrepr="()", kwargsrepr=label)
 
 

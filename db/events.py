@@ -6,8 +6,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.models import Job, JobEvent
-from api.services import webhooks
+from db import webhooks
+from db.models import Job, JobEvent
 
 
 def append(session: Session, job: Job, kind: str, data: dict[str, Any], *, attempt: int | None = None,

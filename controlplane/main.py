@@ -1,7 +1,7 @@
 """The control-plane loop: ingest events into Postgres, then reap lost workers, forever; beside it the
 dispatcher thread sends queued jobs to the workers.
 
-Run one per deployment: `python -m api.controlplane`. It never exits on an outage: Redis or Postgres
+Run one per deployment: `python -m controlplane`. It never exits on an outage: Redis or Postgres
 going away is logged and retried with a growing pause, and the next pass reconnects (both clients
 open new connections by themselves). Nothing is held only in memory: what was not stored stays
 pending in the Redis stream, so a restart, even after SIGKILL, continues where this one stopped.
@@ -16,12 +16,13 @@ import time
 import redis
 from sqlalchemy.exc import DBAPIError
 
-from api import controlplane_metrics as metrics
-from api.deliverer import Deliverer
-from api.dispatcher import Dispatcher
-from api.ingest import Ingester, first_line, transient
-from api.reaper import Reaper, RedisLossWatch
-from api.settings import settings_or_exit
+from controlplane import metrics
+from controlplane.deliverer import Deliverer
+from controlplane.dispatcher import Dispatcher
+from controlplane.ingest import Ingester, first_line, transient
+from controlplane.reaper import Reaper, RedisLossWatch
+from controlplane.settings import ControlPlaneSettings
+from core.settings import settings_or_exit
 
 log = logging.getLogger("controlplane")
 
@@ -39,7 +40,7 @@ def describe(exc: BaseException) -> str:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = settings_or_exit("control plane")
+    settings = settings_or_exit(ControlPlaneSettings, "control plane")
     # Blocking reads wait at most loop_interval; a timeout well above that means the connection is dead.
     timeout = max(5.0, 4 * settings.loop_interval_seconds)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -53,7 +54,7 @@ def main() -> None:
     # Its thread calls step(); counted from outside, so the dispatcher knows nothing of metrics.
     dispatcher.step = metrics.counting_sends(dispatcher.step)  # type: ignore[method-assign]
     deliverer = Deliverer(settings)  # webhooks: a thread and event loop of its own, off the ingest path
-    metrics.start()
+    metrics.start(settings.controlplane_metrics_port)
     stopping = False
 
     def stop(*_: object) -> None:

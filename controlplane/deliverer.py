@@ -1,6 +1,6 @@
 """Sends the webhook outbox (`webhook_deliveries`): a thread of the control plane with its own event loop.
 
-Like the dispatcher (api/dispatcher.py) it wakes on a notification (`ft_webhooks`, a trigger on insert) and
+Like the dispatcher (controlplane/dispatcher.py) it wakes on a notification (`ft_webhooks`, a trigger on insert) and
 looks anyway every POLL_SECONDS. A pass claims due rows with FOR UPDATE SKIP LOCKED and commits the claim
 (attempt counted, the row leased until the delivery's deadline has passed) before any request is sent, so no
 transaction stays open while a receiver thinks, and a control plane that dies mid-send retries the row once
@@ -14,11 +14,11 @@ go out in order: a delivery waits while an earlier one of its job is pending (in
 delivery that keeps failing backs off exponentially with jitter and is given up after `webhook_max_attempts`,
 which frees the job's later events.
 
-Every attempt resolves the host again and checks each address against the SSRF rules (api/webhooks.py) and
+Every attempt resolves the host again and checks each address against the SSRF rules (core/webhooks.py) and
 then connects to the address it checked, naming the host only in `Host` and TLS's server name: a name that
 now resolves somewhere internal (DNS rebinding) is refused, not called.
 
-The owner's secret is read sealed with the claimed row and opened (api/secretbox.py) only to sign that one
+The owner's secret is read sealed with the claimed row and opened (core/secretbox.py) only to sign that one
 request. One that no key in FT_SECRETS_KEY opens fails its delivery at once, the reason in `last_error` and the
 log: this process's keys cannot change, so retrying would only fail again.
 """
@@ -38,10 +38,10 @@ from typing import Any
 import httpx
 import psycopg
 
-from api import secretbox, webhooks
-from api.ingest import first_line
-from api.pg import dsn
-from api.settings import ApiSettings
+from controlplane.ingest import first_line
+from controlplane.settings import ControlPlaneSettings
+from core import secretbox, webhooks
+from db.pool import dsn
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Claimed:
     secret: str | None  # sealed, as stored
 
 
-def backoff(attempts: int, settings: ApiSettings) -> float:
+def backoff(attempts: int, settings: ControlPlaneSettings) -> float:
     """Seconds before the next try after `attempts` failed ones: doubling from the first pause, capped, and
     jittered (half fixed, half random) so receivers that failed together are not hit together again."""
     ceiling = min(settings.webhook_backoff_max_seconds, settings.webhook_backoff_seconds * 2 ** (attempts - 1))
@@ -108,7 +108,7 @@ def backoff(attempts: int, settings: ApiSettings) -> float:
 
 
 class Deliverer:
-    def __init__(self, settings: ApiSettings) -> None:
+    def __init__(self, settings: ControlPlaneSettings) -> None:
         self.settings = settings
         self.allow = webhooks.parse_allow_nets(settings.webhook_allow_nets)
         self.keys = secretbox.keyring(settings)

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.access import Principal
-from api.models import AuditEntry
+from db.models import AuditEntry
 
 
 def record(session: Session, actor: Principal | None, action: str, subject: str, data: dict[str, Any]) -> None:

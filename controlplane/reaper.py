@@ -4,7 +4,7 @@ Also re-asserts the control keys every pass (current attempt, cancel requests), 
 restarted without its data cannot make workers lose track of their jobs, and re-drives the queued
 jobs whose task messages a Redis lost with its data (RedisLossWatch tells when). It never sends a
 task itself: a requeued or re-driven job is committed as queued and unsent, and the dispatcher
-(api/dispatcher.py) sends it.
+(controlplane/dispatcher.py) sends it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ import redis
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from api.db import session_scope
-from api.models import Job, JobEvent
-from api.services import events
 from api.services.jobs import CANCEL_KEY_TTL, now
-from api.settings import ApiSettings
 from contract.codes import ACTIVE_STATUSES, EventKind, FailureCode, JobStatus
 from contract.protocol import (
     EVENTS_STREAM,
@@ -35,6 +31,10 @@ from contract.protocol import (
     part_done_key,
     released_key,
 )
+from controlplane.settings import ControlPlaneSettings
+from db import events
+from db.engine import session_scope
+from db.models import Job, JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RedisLossWatch:
 
 
 class Reaper:
-    def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
+    def __init__(self, client: redis.Redis, settings: ControlPlaneSettings) -> None:
         self.r = client
         self.settings = settings
         self.missing_since: dict[tuple[str, int], float] = {}

@@ -25,8 +25,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from api.db import Base
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
+from db.engine import Base
 
 
 class Job(Base):

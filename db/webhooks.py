@@ -1,14 +1,14 @@
 """Webhooks in the database: owners' secrets and default URLs, the outbox rows each job event adds, and the
 reads that show deliveries on a job.
 
-An owner's signing secret is stored sealed (api/secretbox.py): the column holds ciphertext under
+An owner's signing secret is stored sealed (core/secretbox.py): the column holds ciphertext under
 FT_SECRETS_KEY, `secret_prefix` the few characters shown to tell secrets apart, and the secret itself is in the
 answer that made it only.
 
-A delivery row is written by `enqueue`, which `api/services/events.py` calls for every event it appends, so
+A delivery row is written by `enqueue`, which `db/events.py` calls for every event it appends, so
 the row commits or rolls back with the event it tells about (the ingester's batch, a cancel, the reaper's
 requeue): no state change goes unannounced and no announcement has no state change. The control plane's
-deliverer (api/deliverer.py) sends them.
+deliverer (controlplane/deliverer.py) sends them.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from api import pg, secretbox, webhooks
 from api.access import Principal
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import Job
 from api.settings import ApiSettings
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
 from contract.problems import FieldError
 from contract.spec import JobSpec
+from core import secretbox, webhooks
+from db import pool as pg
+from db.models import Job
 
 FIELD = "notifications.webhook_url"
 

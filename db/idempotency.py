@@ -21,10 +21,10 @@ from typing import Any
 import asyncpg
 import orjson
 
-from api import pg
 from api.errors import ApiError, ErrorCode, invalid
 from api.settings import ApiSettings
 from contract.problems import FieldError
+from db import pool as pg
 
 log = logging.getLogger(__name__)
 

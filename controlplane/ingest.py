@@ -22,11 +22,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
-from api.db import session_scope
-from api.models import Job, JobEvent
-from api.services import events
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
 from contract.protocol import EVENTS_STREAM, INGEST_GROUP
+from db import events
+from db.engine import session_scope
+from db.models import Job, JobEvent
 
 log = logging.getLogger(__name__)
 

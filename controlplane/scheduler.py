@@ -1,6 +1,6 @@
 """Placement: which node's slots each queued job gets. The one place this is decided.
 
-A pass, run by the dispatcher thread (api/dispatcher.py) before it sends anything:
+A pass, run by the dispatcher thread (controlplane/dispatcher.py) before it sends anything:
 
 1. copies the nodes' announcements from Redis (worker/node.py) into the `nodes` table, `last_seen` by the
    database's clock; only a node announcing now is placed on (one whose key just expired, as a frozen
@@ -36,12 +36,12 @@ import redis
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from api.db import session_scope
-from api.models import Job
-from api.services import events
-from api.settings import ApiSettings
 from contract.codes import UNFINISHED_STATUSES, EventKind, JobStatus, sql_list
 from contract.protocol import NODES_SET, lease_key, node_key
+from controlplane.settings import ControlPlaneSettings
+from db import events
+from db.engine import session_scope
+from db.models import Job
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) ->
 
 
 class Scheduler:
-    def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
+    def __init__(self, client: redis.Redis, settings: ControlPlaneSettings) -> None:
         self.r = client
         self.settings = settings
 

@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 
 from api import access
 from api.errors import ApiError, ErrorCode, invalid
-from api.models import ApiKey
-from api.services import audit
 from contract.problems import FieldError
+from db import audit
+from db.models import ApiKey
 
 MAX_DAYS = 100 * 366  # a farther expiry means none; the bound keeps dates near Python's year 9999 out
 

@@ -2,7 +2,7 @@
 outbox's relay).
 
 The API's submit only commits the job row; a requeue or re-drive only puts the row back to queued
-with no `dispatched_at`. Each pass first runs the scheduler (api/scheduler.py), which commits where
+with no `dispatched_at`. Each pass first runs the scheduler (controlplane/scheduler.py), which commits where
 queued jobs go, then this thread finds the placed rows not yet sent and publishes their current attempt
 through Celery to each placed node's own queue, then marks them sent. It wakes on `ft_dispatch` (a
 trigger notifies when a row needs sending, migrations 0003, or slots came free, 0005) and looks anyway
@@ -23,14 +23,14 @@ import psycopg
 import redis
 from sqlalchemy import select
 
-from api.db import session_scope
-from api.dispatch import dispatch
-from api.ingest import first_line
-from api.models import Job
-from api.pg import dsn
-from api.scheduler import Scheduler
-from api.settings import ApiSettings
 from contract.codes import JobStatus
+from controlplane.dispatch import dispatch
+from controlplane.ingest import first_line
+from controlplane.scheduler import Scheduler
+from controlplane.settings import ControlPlaneSettings
+from db.engine import session_scope
+from db.models import Job
+from db.pool import dsn
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ RETRY_MAX_SECONDS = 5.0
 
 
 class Dispatcher:
-    def __init__(self, client: redis.Redis, settings: ApiSettings) -> None:
+    def __init__(self, client: redis.Redis, settings: ControlPlaneSettings) -> None:
         self.r = client
         self.settings = settings
         self.scheduler = Scheduler(client, settings)

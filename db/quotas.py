@@ -14,10 +14,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.access import Principal
-from api.models import Job, OwnerQuota
-from api.services import audit
 from api.settings import ApiSettings
 from contract.codes import UNFINISHED_STATUSES
+from db import audit
+from db.models import Job, OwnerQuota
 
 
 def effective(row: OwnerQuota | None, settings: ApiSettings) -> tuple[int | None, int | None]:

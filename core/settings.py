@@ -1,0 +1,78 @@
+"""The settings every process shares, read from the environment (prefix FT_). Each process has one class of its
+own over these (api/settings.py, controlplane/settings.py, worker/settings.py), so a key both sides need is
+declared once and cannot drift between them."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SharedSettings(BaseSettings):
+    """What the API, the control plane and every worker must agree on."""
+
+    # Inputs stay out of error messages: they hold FT_SECRETS_KEY and the database password.
+    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore", hide_input_in_errors=True)
+
+    env: str = "development"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = None  # defaults to redis_url
+    # Shared storage: the API and every worker see the same paths.
+    artifacts_root: str = "./var/artifacts"
+    # A worker renews its lease at least this often; after Redis lost its data, a live worker re-creates its lease
+    # within one TTL, so the control plane counts no missing lease before then.
+    lease_ttl_seconds: float = 10.0
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def development(self) -> bool:
+        return self.env == "development"
+
+
+class StoreSettings(SharedSettings):
+    """What the two processes that hold the database (the API and the control plane) must agree on."""
+
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/finetune"
+    # Keys that encrypt webhook secrets at rest (core/secretbox.py): comma-separated, the first encrypts, all
+    # decrypt. Required outside development; unset in development: a public development key, with a warning.
+    secrets_key: SecretStr = SecretStr("")
+    # Webhooks (core/webhooks.py): CIDRs the service may call although they are not public (loopback, private,
+    # link-local, ...); empty: public addresses only. Checked at submit (API) and at every delivery (control plane).
+    webhook_allow_nets: str = ""
+
+    @field_validator("webhook_allow_nets")
+    @classmethod
+    def _cidrs(cls, value: str) -> str:
+        from core.webhooks import parse_allow_nets
+
+        parse_allow_nets(value)
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_key_usable(self) -> StoreSettings:
+        from core.secretbox import check_setting
+
+        check_setting(self.secrets_key.get_secret_value(), development=self.development)
+        return self
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def settings_or_exit(make: type[S], program: str) -> S:
+    """The settings, or exit naming each setting that is wrong: a misconfigured process must not start, and
+    one line per problem tells an operator more than a traceback."""
+    try:
+        return make()
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()))
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            problems.append(f"FT_{where.upper()}: {msg}" if where else msg)
+        raise SystemExit(f"the {program} cannot start: " + "; ".join(problems)) from None

@@ -1,0 +1,186 @@
+"""The layout's rules, read from the code itself: which package may import which, where SQL may be written, and
+where a job status or event kind may be spelled as a string (docs/architecture.md).
+
+The layers, lowest first: contract (the torch-free names and job spec) < core (settings, secrets, webhook rules)
+< db (every SQL statement) < api | controlplane | worker (the processes); trainer runs under the DeepSpeed
+launcher and shares only the contract.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from contract.codes import EventKind, JobStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("contract", "core", "db", "api", "controlplane", "worker", "trainer", "ftcli")
+# What each package may import of the project (itself always).
+ALLOWED = {
+    "contract": {"trainer"},  # contract/spec.py loads the pipeline stages' table lazily (moving to contract/)
+    "core": {"contract"},
+    "db": {"contract", "core"},
+    "api": {"contract", "core", "db"},
+    "controlplane": {"contract", "core", "db"},
+    "worker": {"contract", "core", "trainer"},
+    "trainer": {"contract"},
+    "ftcli": {"contract"},
+}
+SQL = re.compile(r"^\s*(SELECT|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|WITH\s+\w+\s+AS|LISTEN|NOTIFY)\b")
+DRIVER_CALLS = {"fetch", "fetchrow", "fetchval", "fetchone", "fetchall", "fetchmany", "scalars", "scalar",
+                "add_listener"}
+STATUS_OR_KIND = {m.value for m in JobStatus} | {m.value for m in EventKind}
+
+
+def modules() -> Iterator[tuple[str, Path, ast.Module]]:
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            yield name, path, ast.parse(path.read_text(), str(path))
+
+
+def imports(tree: ast.Module, name: str) -> Iterator[tuple[int, str]]:
+    """Every project module imported anywhere in the module, function bodies included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                yield node.lineno, f"{node.module}.{alias.name}"
+
+
+def where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def test_no_package_imports_one_above_it_or_beside_it() -> None:
+    offenders = []
+    for name, path, tree in modules():
+        package = name.split(".")[0]
+        for line, imported in imports(tree, name):
+            top = imported.split(".")[0]
+            if top in PACKAGES and top != package and top not in ALLOWED[package]:
+                offenders.append(f"{where(path, line)} {name} imports {imported}")
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_the_project_modules_import_no_circle() -> None:
+    known = {name for name, _, _ in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, _, tree in modules():
+        edges = graph.setdefault(name, set())
+        for _, imported in imports(tree, name):
+            # `from pkg import mod` names a module; `from mod import name` names something in it.
+            target = imported if imported in known else imported.rpartition(".")[0]
+            if target in known and target != name and not name.startswith(target + "."):
+                edges.add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    sys.setrecursionlimit(10_000)
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert circles == [], circles
+
+
+def test_sql_and_driver_calls_live_in_db_only() -> None:
+    offenders = []
+    for name, path, tree in modules():
+        if name.split(".")[0] == "db":
+            continue
+        skip = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                if SQL.search(node.value):
+                    offenders.append(f"{where(path, node.lineno)} SQL text {node.value.strip()[:40]!r}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                attr = node.func.attr
+                # A Redis pipeline's execute() takes no statement; a database's always does.
+                if attr in DRIVER_CALLS or (attr == "execute" and node.args):
+                    offenders.append(f"{where(path, node.lineno)} .{attr}(")
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_statuses_and_event_kinds_are_spelled_only_in_contract() -> None:
+    offenders = []
+    for name, path, tree in modules():
+        if name.split(".")[0] == "contract":
+            continue
+        skip = docstrings(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+                    and node.value in STATUS_OR_KIND):
+                offenders.append(f"{where(path, node.lineno)} {node.value!r}")
+    assert offenders == [], "\n".join(offenders)
+
+
+# Every module a process loads, in a fresh interpreter (this session may have imported anything already).
+PROCESS_PROBE = """
+import importlib, json, pkgutil, sys
+names = []
+for package in sys.argv[1].split(","):
+    root = importlib.import_module(package)
+    names += [m.name for m in pkgutil.walk_packages(root.__path__, package + ".") if not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def loaded(packages: str) -> set[str]:
+    done = subprocess.run([sys.executable, "-c", PROCESS_PROBE, packages], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_the_control_plane_loads_nothing_of_the_api() -> None:
+    seen = loaded("controlplane")
+    assert {"controlplane.main", "controlplane.scheduler", "controlplane.deliverer"} <= seen
+    assert sorted(m for m in seen if m == "api" or m.startswith("api.")) == []
+    assert "torch" not in seen
+
+
+def test_the_api_loads_neither_torch_nor_the_orm_session_nor_the_control_plane_nor_a_worker() -> None:
+    seen = loaded("api")
+    assert {"api.main", "api.routes.jobs", "api.services.jobs"} <= seen
+    for forbidden in ("torch", "sqlalchemy.orm", "controlplane", "worker", "trainer"):
+        assert sorted(m for m in seen if m == forbidden or m.startswith(forbidden + ".")) == [], forbidden
