@@ -328,6 +328,18 @@ def test_offload_blocks_for_cpu_and_nvme() -> None:
     assert "offload_optimizer" not in zero and "offload_param" not in zero
 
 
+def test_resolve_writes_the_jobs_nvme_path_into_every_nvme_offload_block() -> None:
+    """A raw config's nvme_path becomes deepspeed.nvme_path, and the rendered blocks carry that one folder."""
+    resolved = resolve(_job({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme/raw", "buffer_count": 4},
+        "offload_param": {"device": "nvme"}}}))
+    zero = resolved.deepspeed_config["zero_optimization"]
+    assert resolved.spec.deepspeed.nvme_path == "/nvme/raw"
+    assert zero["offload_optimizer"] == {"device": "nvme", "pin_memory": True, "buffer_count": 4,
+                                         "nvme_path": "/nvme/raw"}
+    assert zero["offload_param"]["nvme_path"] == "/nvme/raw"
+
+
 def test_precision_blocks() -> None:
     fp16 = _render(precision="fp16")
     assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,

@@ -137,6 +137,28 @@ def test_zero_stage_offload_precision_trains_evaluates_and_exports(
     assert_loads_and_generates(out)
 
 
+# A row per ZeRO stage, one with the optimizer offloaded: each patches the rendered config differently.
+RECORDED = [Row(0, "none", "bf16"), ZERO2_BF16, Row(3, "cpu", "fp32")]
+
+
+@pytest.mark.parametrize("row", RECORDED, ids=[r.id for r in RECORDED])
+def test_attempt_folder_holds_the_deepspeed_config_the_engine_was_built_from(
+        straight_run: Callable[[Row], Run], row: Row) -> None:
+    import torch
+
+    run = straight_run(row)
+    assert run.rc == 0, run.tail
+    recorded = json.loads((run.job_dir / "attempts" / "1" / "ds_config.json").read_text())
+    # DeepSpeed keeps the config it was given in every checkpoint's model states (`ds_config`).
+    (states,) = (run.job_dir / "checkpoints" / "step-00000012").glob("*mp_rank_00_model_states.pt")
+    received = torch.load(states, map_location="cpu", weights_only=False)["ds_config"]
+    assert recorded == received
+    (started,) = of(run.events, "started")
+    assert recorded["train_micro_batch_size_per_gpu"] == started["micro_batch_size"]
+    assert recorded["gradient_accumulation_steps"] == started["gradient_accumulation_steps"]
+    assert recorded["zero_optimization"]["stage"] == row.stage
+
+
 # adamw (fp32): losses, learning rates and the final weights of a resumed run must match an uninterrupted one to
 # this relative tolerance at every step both report (fp32 on CPU is deterministic, so the difference is in
 # practice 0; the tolerance only absorbs summation-order noise). adamw_bf16: its bf16 moments, step counts and

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import gc
 import math
 import os
@@ -20,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 
 from contract.codes import EventKind
 from contract.spec import ResolvedJob, RunSpec
-from trainer import checkpoint, elastic, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
+from trainer import checkpoint, dsconfig, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -42,22 +41,6 @@ def _seed_everything(seed: int) -> None:
 
 def _on_gpu() -> bool:
     return get_accelerator().device_name() == "cuda"
-
-
-def ds_config(run: RunSpec, swap_folder: Path | None) -> tuple[dict[str, Any], list[str]]:
-    """The rendered DeepSpeed JSON, plus what had to change for this machine (reported in `started`)."""
-    cfg = copy.deepcopy(run.job.deepspeed_config)
-    adjustments: list[str] = []
-    if swap_folder is not None:
-        cfg = swap.point_at(cfg, swap_folder)
-        adjustments.append(f"NVMe swap files in {swap_folder}, removed when the attempt ends")
-    offload = cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if not _on_gpu() and offload == "none" and "optimizer" in cfg:
-        # FusedAdam is CUDA-only; the offload path already uses DeepSpeed's CPU Adam.
-        cfg["optimizer"].setdefault("params", {})["torch_adam"] = True
-        adjustments.append("optimizer.params.torch_adam=true: FusedAdam needs CUDA, this accelerator is "
-                           f"{get_accelerator().device_name()}")
-    return cfg, adjustments
 
 
 # Summed next-token cross entropy of a host batch, through the kernels this process chose (trainer.kernels).
@@ -254,12 +237,11 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     swap_folder = swap.attempt_folder(run_spec.model_dump())
-    cfg, adjustments = ds_config(run_spec, swap_folder)
     stages = spec.resources.pipeline_stages
     plan = kernels.choose(job, _on_gpu(), model)
     if stages > 1:
         plan = pipeline.kernel_plan(plan)
-    adjustments += kernels.apply(model, plan)
+    kernel_adjustments = kernels.apply(model, plan)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
     if setting is None and job.micro_batch_auto and _on_gpu() and stages == 1 and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
@@ -267,13 +249,12 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         accum = hp.global_batch_size // (micro * world)
         emit_rank0(EventKind.RESOLVED, micro_batch_size=micro, gradient_accumulation_steps=accum, reason=reason)
     setting = guard.setting = oom.initial(job, micro, accum)
-    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, accum
-    zero_cfg = cfg.setdefault("zero_optimization", {})
-    if setting.offload_optimizer != "none" and "offload_optimizer" not in zero_cfg:
-        # The ladder's last rung; DeepSpeed's CPU Adam steps the offloaded state (torch_adam would replace it).
-        zero_cfg["offload_optimizer"] = {"device": setting.offload_optimizer, "pin_memory": True}
-        cfg.get("optimizer", {}).get("params", {}).pop("torch_adam", None)
-        adjustments.append("optimizer offloaded to the CPU by the on_oom ladder")
+    # A checkpoint of another world size loads through DeepSpeed's universal format (trainer/elastic.py).
+    cfg, adjustments = dsconfig.for_try(run_spec, setting, swap_folder=swap_folder, world=world,
+                                        committed=checkpoint.committed_tags(Path(run_spec.paths.checkpoint_dir)),
+                                        device_name=get_accelerator().device_name())
+    adjustments += kernel_adjustments
+    zero_cfg = cfg["zero_optimization"]
     share = memory.offloaded_share(zero_cfg.get("offload_optimizer", {}).get("ratio", 1.0), n_trainable // world,
                                    int(zero_cfg.get("sub_group_size", memory.DEEPSPEED_SUB_GROUP_SIZE)))
     memory.check_offload_fits(spec.deepspeed, n_params, n_trainable, memory.local_rank_count(world), world,
@@ -286,8 +267,8 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         model = pipeline.build(model, stages, spec.resources.pipeline_partition)
     trainable = [p for p in model.parameters() if p.requires_grad]
     session.forced.check("setup")
-    # A checkpoint of another world size loads through DeepSpeed's universal format (trainer/elastic.py).
-    elastic.configure(cfg, checkpoint.committed_tags(Path(run_spec.paths.checkpoint_dir)), world)
+    if session.rank == 0:
+        dsconfig.write(cfg, Path(run_spec.paths.job_dir), run_spec.attempt)
     guard.engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=trainable, optimizer=optim.client_optimizer(job, trainable), config=cfg,
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,

@@ -60,10 +60,12 @@ def render(spec: JobSpec, g: int, m: int, a: int, merger: Merger | None = None) 
         device = getattr(ds, key)
         if device != "none":
             block: dict[str, Any] = {"device": device, "pin_memory": True}
-            if device == "nvme":
-                block["nvme_path"] = ds.nvme_path
             if raw:
                 block.update(raw.offload_extra[key])
+            if device == "nvme":
+                # The job's one NVMe folder (a raw config's own nvme_path was adopted into it by the merge); the
+                # trainer points it at the attempt's swap folder beneath (trainer/swap.py).
+                block["nvme_path"] = ds.nvme_path
             zero[key] = block
     if raw:
         zero.update(raw.zero_extra)
