@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from contract.stages import spec_problems
+
 # Bounds on everything a request may hold. Each one keeps a value inside what Postgres, numpy/torch and
 # DeepSpeed accept, and keeps every validation step (the batch arithmetic included) at a few milliseconds.
 MAX_STEPS = 10_000_000
@@ -424,8 +426,6 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _pipeline_rules(self) -> JobSpec:
-        from trainer.stages import spec_problems
-
         if self.resources.pipeline_stages > 1 and "zero_stage" not in self.deepspeed.model_fields_set:
             # The usual default, stage 2, is one the pipeline engine cannot run; stage 1 is the one it can.
             self.deepspeed.zero_stage = 1

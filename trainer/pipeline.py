@@ -28,9 +28,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from safetensors.torch import save_file
 from torch import nn
 
+from contract.stages import family_problem
 from trainer.data import IGNORE, BatchOrder, Blocks
 from trainer.errors import ModelLoadError
-from trainer.stages import family_problem
 
 Inputs = tuple[Any, ...]  # tensors; inside a stage, a decoder layer's output also carries its Shared
 TIED_KEY = "embed"

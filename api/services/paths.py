@@ -9,7 +9,7 @@ from pathlib import Path
 from api.settings import ApiSettings
 from contract.problems import FieldError
 from contract.spec import JobSpec
-from trainer.stages import local_family_problem
+from contract.stages import local_family_problem
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 

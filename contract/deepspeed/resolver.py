@@ -43,7 +43,7 @@ def optimizer_problems(spec: JobSpec, merger: Merger | None) -> list[FieldError]
 
 
 def _pipeline_problems(spec: JobSpec, merger: Merger | None) -> list[FieldError]:
-    """A raw config may set the ZeRO stage after the job's own fields were checked (trainer/stages.py)."""
+    """A raw config may set the ZeRO stage after the job's own fields were checked (contract/stages.py)."""
     stage = spec.deepspeed.zero_stage
     if merger is None or stage < 2:
         return []
