@@ -7,6 +7,8 @@ without either.
 
 from __future__ import annotations
 
+import enum
+
 EVENTS_STREAM = "ft:events"
 RUN_JOB = "worker.run_job"  # the Celery task that runs one attempt (worker/tasks.py)
 INGEST_GROUP = "ingest"
@@ -79,3 +81,24 @@ def node_holder_key(name: str) -> str:
 def node_queue(name: str) -> str:
     """The Celery queue only this node's worker consumes: the control plane sends it the jobs it placed there."""
     return NODE_QUEUE_PREFIX + name
+
+
+# Keys that are spelled like a job status or an event kind (contract/codes.py) but name something else: a field
+# of a payload or of an API resource. Spelled here, as the statuses are, so a literal of that spelling elsewhere is
+# always a mistake.
+class StateField(str, enum.Enum):
+    """Fields of a `state` event's payload besides its status (the worker writes them, the ingester reads them)."""
+
+    ERROR = "error"  # why the attempt failed: {"code", "message", ...}
+
+
+class JobField(str, enum.Enum):
+    """Fields of the API's Job resource (api/schemas.py) that clients such as ftcli read."""
+
+    PROGRESS = "progress"  # the latest progress event's figures
+    ERROR = "error"  # the failure: {"code", "message"}
+    RESOLVED = "resolved"  # the resolved job (in a dry run's answer)
+
+
+ERROR_BODY = "error"  # the one key of every API error answer: {"error": {"code", "message", "field"}}
+NODE_STATE = "state"  # a node's field in GET /nodes: "up", "draining" or "lost"

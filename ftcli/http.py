@@ -4,7 +4,6 @@ SSE reader that resumes after a dropped connection with Last-Event-ID."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,7 +12,9 @@ from typing import Any
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from contract.protocol import ERROR_BODY
+from ftcli.settings import CliSettings
+
 # What `make up` writes in the repository it ran from; read only when FT_API_KEY is unset.
 DEV_KEY = Path("var") / "dev-key"
 RECONNECT_FIRST_SECONDS = 0.5
@@ -29,12 +30,12 @@ class CliError(Exception):
         self.message, self.code, self.field, self.status, self.details = message, code, field, status, details
 
     def as_json(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field, "status": self.status,
+        return {ERROR_BODY: {"code": self.code, "message": self.message, "field": self.field, "status": self.status,
                           **({"details": self.details} if self.details else {})}}
 
 
 def api_key() -> str | None:
-    key = os.environ.get("FT_API_KEY") or os.environ.get("FT_API_TOKEN")
+    key = CliSettings().key
     if key:
         return key.strip()
     if DEV_KEY.is_file():
@@ -46,7 +47,7 @@ def error_of(r: httpx.Response) -> CliError:
     """The service's `{"error": {"code", "message", "field"}}`, or the status and body of anything else (a proxy's
     page, say)."""
     try:
-        err = r.json()["error"]
+        err = r.json()[ERROR_BODY]
         return CliError(str(err.get("message")), code=err.get("code"), field=err.get("field"), status=r.status_code,
                         details=err.get("details"))
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -61,7 +62,7 @@ class Api:
 
     @classmethod
     def from_env(cls) -> Api:
-        return cls(os.environ.get("FT_API_URL", DEFAULT_URL).rstrip("/"), api_key())
+        return cls(CliSettings().api_url.rstrip("/"), api_key())
 
     def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Authorization": f"Bearer {self.key}"} if self.key else {}

@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from contract.codes import EventKind, JobStatus
+from contract.protocol import NODE_STATE, JobField
 
 STATUS_STYLE = {JobStatus.SUCCEEDED: "green", JobStatus.FAILED: "red", JobStatus.CANCELLED: "yellow",
                 JobStatus.CANCELLING: "yellow", JobStatus.RUNNING: "cyan", JobStatus.STARTING: "cyan",
@@ -28,7 +29,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     for column in ("ID", "NAME", "OWNER", "QUEUE", "STATUS", "STEP", "LOSS", "CREATED"):
         table.add_column(column, no_wrap=column in ("ID", "STATUS"))
     for j in jobs:
-        p = j.get("progress") or {}
+        p = j.get(JobField.PROGRESS) or {}
         table.add_row(j["id"], j.get("name") or "", j.get("owner") or "", j.get("queue") or "",
                       status_text(j["status"]), f"{p.get('step') or 0}/{p.get('total_steps') or '?'}",
                       num(p.get("loss"), ".4f"), (j.get("created_at") or "")[:19].replace("T", " "))
@@ -36,7 +37,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
 
 
 def job_table(j: dict[str, Any]) -> Table:
-    p = j.get("progress") or {}
+    p = j.get(JobField.PROGRESS) or {}
     table = Table(box=None, show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -45,14 +46,16 @@ def job_table(j: dict[str, Any]) -> Table:
         ("queue", j.get("queue") or ""), ("status", status_text(j["status"])), ("attempt", str(j.get("attempt"))),
         ("step", f"{p.get('step') or 0}/{p.get('total_steps') or '?'}"), ("loss", num(p.get("loss"), ".4f")),
         ("tokens/s", num(p.get("tokens_per_second"), ",.0f")), ("eta", eta(p.get("eta_seconds"))),
-        ("created", j.get("created_at") or ""), ("started", j.get("started_at") or "-"),
-        ("finished", j.get("finished_at") or "-")]
+        # The times, each labelled by its field's name without `_at`.
+        *((f.removesuffix("_at"), j.get(f) or ("" if f == "created_at" else "-"))
+          for f in ("created_at", "started_at", "finished_at"))]
     if j.get("checkpoints"):
         rows.append(("checkpoints", ", ".join(f"step {c['step']}" for c in j["checkpoints"])))
     if j.get("output"):
         rows.append(("output", str(j["output"].get("path") or j["output"])))
-    if j.get("error"):
-        rows.append(("error", f"[red]{j['error'].get('code')}[/]: {j['error'].get('message', '')}"))
+    error = j.get(JobField.ERROR)
+    if error:
+        rows.append((JobField.ERROR.value, f"[red]{error.get('code')}[/]: {error.get('message', '')}"))
     for k, v in rows:
         table.add_row(k, v)
     return table
@@ -73,7 +76,7 @@ class Watch:
                                  TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  eta {task.fields[eta]}"
                                             "  [bold]{task.fields[status]}[/]"),
                                  TimeElapsedColumn(), console=console, transient=False)
-        p = job.get("progress") or {}
+        p = job.get(JobField.PROGRESS) or {}
         self.task = self.progress.add_task(job["id"], total=p.get("total_steps") or None, completed=p.get("step") or 0,
                                            loss=num(p.get("loss"), ".4f"), tps=num(p.get("tokens_per_second"), ",.0f"),
                                            eta=eta(p.get("eta_seconds")), status=job["status"])
@@ -88,11 +91,11 @@ class Watch:
     def event(self, e: dict[str, Any]) -> None:
         kind = e.get("type")
         if kind == EventKind.PROGRESS:
-            fields: dict[str, Any] = {"completed": e.get("step") or 0, "loss": num(e.get("loss"), ".4f"),
-                                      "tps": num(e.get("tokens_per_second"), ",.0f"), "eta": eta(e.get("eta_seconds"))}
+            fields: dict[str, Any] = {"loss": num(e.get("loss"), ".4f"), "tps": num(e.get("tokens_per_second"), ",.0f"),
+                                      "eta": eta(e.get("eta_seconds"))}
             if e.get("total_steps"):
                 fields["total"] = e["total_steps"]
-            self.progress.update(self.task, **fields)
+            self.progress.update(self.task, completed=e.get("step") or 0, **fields)
         elif kind == EventKind.STARTED and e.get("total_steps"):
             self.progress.update(self.task, total=e["total_steps"], completed=e.get("resumed_from_step") or 0)
         elif kind == EventKind.STATE:
@@ -111,7 +114,7 @@ def dry_run_table(answer: dict[str, Any]) -> Table:
     """What `POST /jobs?dry_run=true` answered: the resolved settings, the memory estimate, where it fits and
     what would make it fit."""
     e = answer.get("estimate") or {}
-    resolved = (answer.get("job") or {}).get("resolved") or {}
+    resolved = (answer.get("job") or {}).get(JobField.RESOLVED) or {}
     table = Table(box=None, show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -151,7 +154,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         table.add_column(column, no_wrap=column in ("NODE", "STATE"))
     styles = {"up": "green", "draining": "yellow", "lost": "red"}
     for n in nodes:
-        table.add_row(n["name"], n.get("kind") or "", f"[{styles.get(n['state'], 'white')}]{n['state']}[/]",
+        table.add_row(n["name"], n.get("kind") or "", f"[{styles.get(n[NODE_STATE], 'white')}]{n[NODE_STATE]}[/]",
                       f"{n.get('slots_free')}/{n.get('slots_total')}", ",".join(n.get("queues") or []),
                       ", ".join(j["id"] for j in n.get("jobs") or []) or "-",
                       (n.get("last_seen") or "")[:19].replace("T", " "))

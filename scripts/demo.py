@@ -20,7 +20,7 @@ import httpx
 from contract.codes import EventKind, JobStatus
 from scripts.client import follow, progress_line, submit
 from scripts.corpus import write_corpus
-from scripts.stack import ROOT, Stack, database_exists_or_create, ensure_dev_key, migrate
+from scripts.stack import ROOT, Stack, StackSettings, database_exists_or_create, ensure_dev_key, migrate
 
 DEMO_JOB = ROOT / "examples" / "demo-job.json"
 
@@ -91,7 +91,8 @@ def main() -> int:
     env = dict(os.environ)
     migrate(env)
     # The API requires a key in development too; the demo makes (or reuses) the dev stack's own.
-    key = ensure_dev_key() if settings.development else os.environ.get("FT_KEY")
+    given = StackSettings.of(env).key
+    key = ensure_dev_key() if settings.development else given.get_secret_value() if given else None
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()

@@ -16,8 +16,34 @@ import time
 from pathlib import Path
 
 import httpx
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from api.settings import ApiSettings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackSettings(BaseSettings):
+    """What a stack of this host's processes reads of its FT_ environment: where its API listens (the API's own
+    settings and defaults) and what its processes are started with."""
+
+    model_config = SettingsConfigDict(env_prefix="FT_", extra="ignore", hide_input_in_errors=True)
+
+    host: str = ApiSettings.model_fields["host"].default
+    port: int = ApiSettings.model_fields["port"].default
+    api_workers: int | None = None  # uvicorn processes; unset: one per core
+    queues: str = "default"  # what a worker of the stack serves, unless it is started with its own
+    node_name: str | None = None  # the worker's node; unset: the host's name (make up) or the worker's name
+    node_addr: str = "127.0.0.1"  # the stack's nodes are processes of this one host
+    key: SecretStr | None = None  # an admin key for scripts/demo.py outside development (`make up` prints it)
+
+    @classmethod
+    def of(cls, env: dict[str, str]) -> StackSettings:
+        """The settings in `env` (the stack's environment, which may differ from this process's), empty values
+        counting as unset."""
+        given = {name: env[f"FT_{name.upper()}"] for name in cls.model_fields if env.get(f"FT_{name.upper()}")}
+        return cls.model_validate(given)
 
 
 def database_exists_or_create(url: str) -> None:
@@ -79,7 +105,8 @@ class Stack:
 
     @property
     def api_url(self) -> str:
-        return f"http://{self.env.get('FT_HOST', '127.0.0.1')}:{self.env.get('FT_PORT', '8000')}"
+        settings = StackSettings.of(self.env)
+        return f"http://{settings.host}:{settings.port}"
 
     def _start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         out = (self.log_dir / f"{name}.log").open("ab")
@@ -91,10 +118,11 @@ class Stack:
     def start_api(self) -> None:
         # One process per core: a request is mostly Python work, so a single event loop tops out at one
         # core; the processes share the port and nothing else (each has its own pool and feeds).
-        workers = self.env.get("FT_API_WORKERS") or str(os.cpu_count() or 1)
-        self._start("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host",
-                            self.env.get("FT_HOST", "127.0.0.1"), "--port", self.env.get("FT_PORT", "8000"),
-                            "--workers", workers, "--log-level", "warning", "--no-access-log"])
+        settings = StackSettings.of(self.env)
+        workers = settings.api_workers or os.cpu_count() or 1
+        self._start("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host", settings.host,
+                            "--port", str(settings.port), "--workers", str(workers), "--log-level", "warning",
+                            "--no-access-log"])
 
     def start_controlplane(self) -> None:
         self._start("controlplane", [sys.executable, "-m", "controlplane"])
@@ -104,10 +132,10 @@ class Stack:
         """One node's worker (`python -m worker`: a threads pool, one thread per slot, consuming only the
         node's own queue). Its node is `node`, else FT_NODE_NAME, else `name`: the tests' workers are
         nodes of their own on one host."""
-        queues = queues or self.env.get("FT_QUEUES", "default")
-        extra = {"FT_QUEUES": queues, "FT_NODE_NAME": node or self.env.get("FT_NODE_NAME") or name,
+        settings = StackSettings.of(self.env)
+        extra = {"FT_QUEUES": queues or settings.queues, "FT_NODE_NAME": node or settings.node_name or name,
                  # The stack's nodes are processes of this one host: a multi-node job meets on the loopback.
-                 "FT_NODE_ADDR": self.env.get("FT_NODE_ADDR", "127.0.0.1")}
+                 "FT_NODE_ADDR": settings.node_addr}
         if slots is not None:
             extra["FT_NODE_SLOTS"] = str(slots)
         extra.update(env or {})
@@ -153,7 +181,7 @@ def main() -> int:
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()
-    stack.start_worker(node=os.environ.get("FT_NODE_NAME") or socket.gethostname())
+    stack.start_worker(node=StackSettings.of(env).node_name or socket.gethostname())
     try:
         stack.wait_ready()
     except (RuntimeError, TimeoutError) as exc:

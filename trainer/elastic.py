@@ -30,6 +30,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from contract.codes import EventKind, FailureCode
+from contract.deepspeed.policy import CHECKPOINT
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -99,7 +100,7 @@ def configure(cfg: dict[str, Any], committed: list[Path], world_size: int) -> No
     """The engine reads `checkpoint.load_universal` when it is built, so the choice is made before then, from
     the same newest committed tag that the resume will load (only this attempt could commit a newer one)."""
     if committed:
-        cfg.setdefault("checkpoint", {})["load_universal"] = plan(committed[-1], world_size).universal
+        cfg.setdefault(CHECKPOINT, {})["load_universal"] = plan(committed[-1], world_size).universal
 
 
 def check_engine(resume: Plan, engine: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from contract.codes import EventKind, FailureCode, JobStatus
-from contract.protocol import attempt_key, cancel_key, claim_key
+from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import RunSpec
 from trainer import fence, swap
 from worker.gang import GangPart
@@ -411,7 +411,7 @@ class Attempt:
         if self.gang.multi:
             data["node"], data["node_rank"] = self.node, self.part
         if outcome.error:
-            data["error"] = outcome.error
+            data[StateField.ERROR] = outcome.error
         if outcome.output:
             data["output"] = outcome.output
         self.pending.append((EventKind.STATE, data))

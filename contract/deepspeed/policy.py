@@ -29,6 +29,10 @@ DANGEROUS_KEYS: dict[str, str] = {
     "data_efficiency": "reads curriculum-learning index files from paths on the worker",
 }
 
+# DeepSpeed's checkpoint block (the trainer sets its load_universal: trainer/elastic.py); spelled like the
+# `checkpoint` event kind, so named here.
+CHECKPOINT = "checkpoint"
+
 # DeepSpeed features the trainer does not run. A value equal to DeepSpeed's default turns nothing on and passes.
 UNRUN_TOP: dict[str, str] = {
     "compile": "DeepCompile (the job's own switch for torch.compile is the deepspeed.compile field)",
@@ -42,7 +46,7 @@ UNRUN_TOP: dict[str, str] = {
     "torch_autocast": "torch.autocast mixed precision (the service's is deepspeed.precision)",
     "weight_quantization": "weight quantization",
     "data_types": "per-tensor data types",
-    "checkpoint": "checkpoint engine options (the service writes, validates and loads its own checkpoints)",
+    CHECKPOINT: "checkpoint engine options (the service writes, validates and loads its own checkpoints)",
     "datastates_ckpt": "DataStates asynchronous checkpointing",
     "managed_gradient_accumulation": "unmanaged gradient accumulation",
 }
