@@ -82,6 +82,7 @@ class FailureCode(str, enum.Enum):
     ELASTIC_RESUME_ERROR = "elastic_resume_error"  # a resume on another world size cannot go on (trainer/elastic.py)
     # Decided by the worker from the attempt's end (worker/outcome.py, worker/attempt.py).
     NCCL_TIMEOUT = "nccl_timeout"
+    DISK_FULL = "disk_full"  # a write found the job's filesystem full (checkpoint, export, NVMe swap, data cache)
     KILLED = "killed"  # a rank ended by a signal nothing in the service sent
     TIME_LIMIT = "time_limit"
     WORKER_ERROR = "worker_error"  # the supervisor itself failed

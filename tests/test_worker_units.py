@@ -8,9 +8,13 @@ import shutil
 import subprocess
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from contract.codes import FailureCode
 from tests.helpers import wait_for
 from trainer import swap
 from worker import prebuild
@@ -38,6 +42,21 @@ def test_rank_logs_are_read_in_complete_lines_with_their_rank(tmp_path: Path) ->
     (tmp_path / "20260101_rank0.log").write_bytes(b"zero\n")
     assert sorted(tail.poll()) == [(0, "zero"), (1, "second part")]
     assert tail.close() == []
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose writes find the disk full")
+def test_a_full_disk_is_named_as_such_not_as_a_trainer_error() -> None:
+    # The traceback a rank prints when a save finds its filesystem full, made by a real write that fails so.
+    try:
+        with open("/dev/full", "w") as full:
+            full.write("x" * 65536)
+            full.flush()
+    except OSError:
+        tail = traceback.format_exc().splitlines()
+    else:
+        raise AssertionError("a write to /dev/full succeeded")
+    error = classify_failure(1, None, ["[rank0] saving checkpoint 40", *tail])
+    assert error["code"] == FailureCode.DISK_FULL and "No space left on device" in error["log_tail"]
 
 
 def test_failures_are_classified_from_the_trainer_error_first_then_the_log() -> None:

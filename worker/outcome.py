@@ -17,6 +17,8 @@ LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [
     (FailureCode.OUT_OF_MEMORY, re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)),
     (FailureCode.NCCL_TIMEOUT,
      re.compile(r"NCCL.*(timeout|timed out)|Watchdog caught collective operation timeout", re.I)),
+    # Before the data and model patterns: a full disk makes loaders and savers fail with their own messages too.
+    (FailureCode.DISK_FULL, re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")),
     (FailureCode.DATA_ERROR, re.compile(r"DataError|data_error")),
     (FailureCode.MODEL_LOAD_ERROR,
      re.compile(r"OSError: .*(config\.json|not a valid model identifier)|ModelLoadError")),
