@@ -28,8 +28,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
+from typing import Any
 
 from api.settings import get_settings
+from db import keys as store
 from db import pool as pg
 
 log = logging.getLogger(__name__)
@@ -97,10 +99,14 @@ def looks_like_a_key(key: bytes) -> bool:
     return len(key) == KEY_LENGTH and key.startswith(KEY_PREFIX.encode())
 
 
-LOOKUP = ("SELECT id, owner, scopes, expires_at, secret_hash FROM api_keys "
-          "WHERE secret_hash = $1 AND revoked_at IS NULL")
-TOUCH = ("UPDATE api_keys SET last_used_at = now() WHERE id = $1 "
-         "AND (last_used_at IS NULL OR last_used_at < now() - interval '55 seconds')")
+async def create_key(*, owner: str, scopes: list[str], name: str = "", expires_at: datetime | None = None,
+                     actor: dict[str, str | None] | None) -> tuple[dict[str, Any], str]:
+    """A new key (the Key schema's fields) and its secret, which exists only in the return value (and the
+    caller's answer); Postgres keeps its hash. `actor` None is the operator's CLI."""
+    secret = new_key()
+    key = await store.create(owner=owner, scopes=scopes, name=name, expires_at=expires_at, actor=actor,
+                             secret_hash=digest(secret.encode()), prefix=secret[:SHOWN_PREFIX])
+    return key, secret
 
 
 class KeyCache:
@@ -172,12 +178,11 @@ class KeyCache:
 
     async def _fetch(self, hashed: bytes) -> Principal | None:
         generation = self.generation
-        rows = await pg.fetch(LOOKUP, hashed)
+        r = await store.lookup(hashed)
         found = None
         # The index found the row by its hash; the comparison in constant time is the rule for secrets, kept
         # although what it compares is a hash the caller cannot choose.
-        if rows and hmac.compare_digest(bytes(rows[0]["secret_hash"]), hashed):
-            r = rows[0]
+        if r is not None and hmac.compare_digest(bytes(r["secret_hash"]), hashed):
             found = principal(r["id"], r["owner"], r["scopes"], r["expires_at"])
         if generation == self.generation:
             if len(self.entries) >= CACHE_MAX:
@@ -187,7 +192,7 @@ class KeyCache:
 
     async def _touch(self, key_id: str) -> None:
         try:
-            await pg.fetchval(TOUCH, key_id)
+            await store.touch(key_id)
         except Exception as exc:  # last_used_at is a hint; a request never fails for it
             log.warning("could not record the use of key %s: %s", key_id, type(exc).__name__)
 

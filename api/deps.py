@@ -1,36 +1,16 @@
-"""Dependencies as Annotated aliases: sessions, settings, Redis, the caller; and the scope a route declares."""
+"""Dependencies as Annotated aliases: settings, Redis, the caller, the caller's job; and the scope a route declares."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from functools import lru_cache
 from typing import Annotated, Any
 
 import redis
-from fastapi import Depends, Request
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.orm import Session
+from fastapi import Depends, Path, Request
 
+from api import reads
 from api.access import Principal, Scope
 from api.settings import ApiSettings, get_settings
-from db.engine import _factory
-
-log = logging.getLogger(__name__)
-
-
-
-def _session() -> Iterator[Session]:
-    session = _factory()()
-    try:
-        yield session
-    finally:
-        try:
-            session.rollback()  # anything a route did not commit explicitly is not kept
-            session.close()
-        except sa_exc.DBAPIError as exc:
-            # Postgres went away mid-request: the route's own error (a 503) is the answer, not this one.
-            log.warning("could not end a database session: %s", type(exc.orig).__name__)
 
 
 @lru_cache
@@ -47,7 +27,6 @@ async def _redis_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> re
     return _redis(settings.redis_url)
 
 
-SessionDep = Annotated[Session, Depends(_session)]
 SettingsDep = Annotated[ApiSettings, Depends(_settings)]
 RedisDep = Annotated[redis.Redis, Depends(_redis_dep)]
 
@@ -64,3 +43,20 @@ def scoped(scope: Scope) -> dict[str, Any]:
 
 
 CallerDep = Annotated[Principal, Depends(_caller)]
+
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
+JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job id, as `POST /jobs` returned it")]
+
+
+def owner_of(caller: Principal) -> str | None:
+    """Whose jobs the caller may see: its own owner's, or every owner's (None) for an admin."""
+    return None if caller.admin else caller.owner
+
+
+async def job_for_caller(job_id: JobId, caller: CallerDep) -> bytes:
+    """The caller's job as JSON (through this process's cache), or the 404: another owner's job is not found
+    either (never a 403, which would say it exists)."""
+    return await reads.job_cached(job_id, owner_of(caller))
+
+
+JobForCaller = Annotated[bytes, Depends(job_for_caller)]

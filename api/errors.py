@@ -11,17 +11,18 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
+import asyncpg
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
 from contract.problems import FieldError, SpecError
+from db import errors as db
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +153,34 @@ def _pydantic_errors(exc: RequestValidationError) -> list[FieldError]:
     return out
 
 
-def database_unreachable(exc: BaseException) -> bool:
-    """Whether a database error means Postgres is down or restarting (not a bad statement)."""
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)):
-        return True
-    return isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
+def quota_exceeded(exc: db.QuotaExceeded) -> ApiError:
+    """A 429 naming each limit the submit would pass, the owner's use and what the submit asked for."""
+    owner, (max_jobs, max_gpus), (jobs, used_gpus), gpus = exc.owner, exc.limits, exc.used, exc.gpus
+    details = []
+    if max_jobs is not None and jobs + 1 > max_jobs:
+        details.append({"field": "max_active_jobs", "message": f"max_active_jobs is {max_jobs}; {owner} has {jobs} "
+                        "unfinished jobs (queued or running); this submit is 1 more"})
+    if max_gpus is not None and used_gpus + gpus > max_gpus:
+        details.append({"field": "max_gpus", "message": f"max_gpus is {max_gpus}; {owner}'s unfinished jobs hold "
+                        f"{used_gpus}; this submit asks for {gpus} (resources.num_gpus)"})
+    return ApiError(429, ErrorCode.QUOTA_EXCEEDED, f"quota exceeded for owner {owner!r}: "
+                    + "; ".join(d["message"] for d in details) + ". Wait for jobs to end, cancel some, or ask an "
+                    "admin to raise the quota", details[0]["field"] if details else None, details)
+
+
+def from_db(exc: db.DbError) -> ApiError:
+    """The HTTP answer to what the data layer refused."""
+    if isinstance(exc, db.NotFound):
+        return ApiError(404, ErrorCode.NOT_FOUND, exc.message, exc.field)
+    if isinstance(exc, db.IdempotencyConflict):
+        return ApiError(409, ErrorCode.IDEMPOTENCY_CONFLICT, exc.message, exc.field)
+    if isinstance(exc, db.Conflict):
+        return ApiError(409, ErrorCode.CONFLICT, exc.message, exc.field)
+    if isinstance(exc, db.Invalid):
+        return invalid([FieldError(exc.field or "body", exc.message)])
+    if isinstance(exc, db.QuotaExceeded):
+        return quota_exceeded(exc)
+    return ApiError(503, ErrorCode.UNAVAILABLE, exc.message, None, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def unavailable(what: str) -> JSONResponse:
@@ -202,17 +226,17 @@ def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
             message = f"{request.method} is not allowed on this path; allowed: {headers['Allow']}"
         return JSONResponse(body(code, message), status_code=exc.status_code, headers=headers or None)
 
-    @app.exception_handler(sa_exc.DBAPIError)
-    async def _database(request: Request, exc: sa_exc.DBAPIError) -> JSONResponse:
-        if database_unreachable(exc):
-            log.warning("Postgres unreachable during %s %s: %s", request.method, request.url.path,
-                        type(exc.orig).__name__)
-            return unavailable("the database")
-        return await _unexpected(request, exc)
+    @app.exception_handler(db.DbError)
+    async def _db_error(_: Request, exc: db.DbError) -> JSONResponse:
+        return await _api_error(_, from_db(exc))
 
-    @app.exception_handler(sa_exc.TimeoutError)
-    async def _pool_timeout(request: Request, exc: sa_exc.TimeoutError) -> JSONResponse:
-        log.warning("no database connection free for %s %s", request.method, request.url.path)
+    # What reaches here unwrapped (a connection lost between two statements of a transaction): a 503 too.
+    @app.exception_handler(asyncpg.PostgresConnectionError)
+    @app.exception_handler(asyncpg.InterfaceError)
+    @app.exception_handler(asyncpg.exceptions.OperatorInterventionError)
+    @app.exception_handler(asyncpg.exceptions.TooManyConnectionsError)
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("Postgres unreachable during %s %s: %s", request.method, request.url.path, type(exc).__name__)
         return unavailable("the database")
 
     @app.exception_handler(redis.ConnectionError)

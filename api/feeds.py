@@ -20,10 +20,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from api import reads
-from api.errors import ApiError
 from contract.codes import TERMINAL_STATUSES
+from db import jobs, reads
 from db import pool as pg
+from db.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Feed:
             self._wake.clear()
             try:
                 got = await self._poll()
-            except (*pg.UNREACHABLE, ApiError) as exc:  # ApiError: the 503 that db.pool raises for an outage
+            except (*pg.UNREACHABLE, Unavailable) as exc:
                 log.warning("Postgres unreachable while following job %s (%s); retrying", self.job_id,
                             type(exc).__name__)
                 await asyncio.sleep(delay)
@@ -149,15 +149,13 @@ class Feed:
                     pass
 
     async def _poll(self) -> int:
-        db = await pg.pool()
         if self.last_seq is None:
-            newest = await db.fetchval("SELECT coalesce(max(seq), 0) FROM job_events WHERE job_id = $1",
-                                       self.job_id)
+            newest = await jobs.newest_seq(self.job_id)
             start = max(0, newest - BUFFER)
         else:
             start = self.last_seq
         # The status first: if the job had ended before the events were read, no event can follow them.
-        status = await db.fetchval("SELECT status FROM jobs WHERE id = $1", self.job_id)
+        status = await jobs.status(self.job_id)
         rows = await reads.events_after(self.job_id, start, BATCH, None)
         self.buffer.extend(event_of(r) for r in rows)
         first_read = self.last_seq is None
@@ -206,9 +204,7 @@ async def _catch_up(job_id: str, after: int, types: list[str] | None) -> list[Ev
     while True:
         try:
             return [event_of(r) for r in await reads.events_after(job_id, after, BATCH, types)]
-        except ApiError as exc:
-            if exc.status != 503:
-                raise
+        except Unavailable:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_SECONDS)
 

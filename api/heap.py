@@ -1,7 +1,7 @@
 """The API process's heap, settled at start so that garbage collection stays off the requests' tail.
 
-A full collection walks every container object the process holds. After start that is ~120,000 objects
-(FastAPI, pydantic's validators, SQLAlchemy, psycopg, asyncpg), and each full collection took 40-200 ms on
+A full collection walks every container object the process holds. After start that is ~100,000 objects
+(FastAPI, pydantic's validators, asyncpg), and each full collection took 40-200 ms on
 this project's 2-core machine: under load it ran every second or two in each API process and was the whole
 p99 of `GET /jobs/{id}` (p99 72-100 ms with p50 3 ms; 6-27 ms once settled, bench/RESULTS.md). Those objects
 live as long as the process, so they are moved to the permanent generation (`gc.freeze`) once start-up has
@@ -18,15 +18,10 @@ import time
 from typing import Any
 
 from api.metrics import GC_PAUSE
-from db.engine import _factory
 
 
 def settle() -> None:
     """Build what start-up would otherwise leave to the first request, collect once, freeze the rest."""
-    # SQLAlchemy imports the synchronous driver (psycopg, ~17,000 objects) when the engine is made. The sessions'
-    # own factory (and engine) is made here, so it is frozen with the rest instead of being walked by every full
-    # collection of the process's life.
-    _factory()
     gc.collect()
     gc.freeze()
 

@@ -11,16 +11,19 @@ admin key is lost. It writes to Postgres directly (FT_DATABASE_URL), so it needs
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import sys
 from datetime import datetime, timedelta, timezone
 
+from api import access
 from api.access import Scope
-from api.errors import ApiError
 from api.schemas import OWNER_PATTERN
+from api.settings import get_settings
 from db import keys as service
-from db.engine import _factory
+from db import pool as pg
+from db.errors import DbError, Invalid
 
 SCOPES = [s.value for s in Scope]
 
@@ -53,30 +56,37 @@ def main(argv: list[str] | None = None) -> int:
     revoke.add_argument("key_id")
     args = parser.parse_args(argv)
 
-    session = _factory()()
+    try:
+        asyncio.run(_run(args))
+    except DbError as exc:
+        # As the API words it (api/errors.py): an invalid value is named by its field.
+        print(f"error: {exc.field}: {exc.message}" if isinstance(exc, Invalid) else f"error: {exc.message}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> None:
+    pg.configure(database_url=get_settings().database_url, pool_size=1)
     try:
         if args.command == "create":
             expires = (datetime.now(timezone.utc) + timedelta(days=args.expires_in_days)
                        if args.expires_in_days is not None else None)
-            key, secret = service.create(session=session, owner=args.owner, scopes=args.scopes, name=args.name,
-                                         expires_at=expires, actor=None)
-            print(f"created {key.id} for owner {key.owner!r} with scopes {', '.join(key.scopes)}"
-                  + (f", expiring {key.expires_at.isoformat()}" if key.expires_at else "")
+            key, secret = await access.create_key(owner=args.owner, scopes=args.scopes, name=args.name,
+                                                  expires_at=expires, actor=None)
+            print(f"created {key['id']} for owner {key['owner']!r} with scopes {', '.join(key['scopes'])}"
+                  + (f", expiring {key['expires_at'].isoformat()}" if key["expires_at"] else "")
                   + "; the key (shown this once):", file=sys.stderr)
             print(secret)
         elif args.command == "list":
-            page = service.listing(session=session, owner=args.owner, limit=10_000, after=None)
+            page = await service.listing(owner=args.owner, limit=10_000, after=None)
             for k in page["data"]:
                 print(json.dumps(k, default=str))
         else:
-            key = service.revoke(session=session, key_id=args.key_id, actor=None)
-            print(f"revoked {key.id} (owner {key.owner!r})", file=sys.stderr)
-    except ApiError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 1
+            key, _ = await service.revoke(key_id=args.key_id, actor=None)
+            print(f"revoked {key['id']} (owner {key['owner']!r})", file=sys.stderr)
     finally:
-        session.close()
-    return 0
+        await pg.close()
 
 
 if __name__ == "__main__":

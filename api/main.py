@@ -13,19 +13,18 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from api import errors, heap
+from api.access import Scope
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
 from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
 from api.settings import ApiSettings, api_settings_or_exit, get_settings
 from db import idempotency
+from db import keys as keys_store
 from db import pool as pg
 
 log = logging.getLogger(__name__)
 
 
-# Any key with the admin scope that works now.
-ADMIN_KEY_EXISTS = ("SELECT EXISTS (SELECT 1 FROM api_keys WHERE 'admin' = ANY(scopes) AND revoked_at IS NULL "
-                    "AND (expires_at IS NULL OR expires_at > now()))")
 NO_ADMIN_KEY = ("the API cannot start: FT_ENV is {env!r} and the database has no working admin key, so nobody "
                 "could create keys or set quotas. Create one with `python -m api.keys create --owner NAME "
                 "--scopes admin` (in compose: `docker compose run --rm api python -m api.keys create ...`), "
@@ -36,7 +35,7 @@ async def require_admin_key(settings: ApiSettings) -> None:
     """Outside development, refuse to start without a working admin key. Where Postgres cannot be asked yet,
     start anyway: with no key readable, every request is refused (401 or 503), which is safe."""
     try:
-        found = await pg.fetchval(ADMIN_KEY_EXISTS)
+        found = await keys_store.scope_holder_exists(Scope.ADMIN.value)
     except Exception as exc:
         log.warning("could not check for an admin key at start (%s); starting, every request needs a key",
                     type(exc).__name__)
@@ -51,7 +50,8 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     settings = get_settings()
     if not settings.development:
         await require_admin_key(settings)
-    purge = asyncio.get_running_loop().create_task(idempotency.purge_forever(settings), name="idempotency purge")
+    purge = asyncio.get_running_loop().create_task(idempotency.purge_forever(settings.idempotency_hours),
+                                                   name="idempotency purge")
     heap.PauseMeter().install()
     heap.settle()  # last: what start-up built is frozen, out of every later collection's walk
     yield
@@ -63,6 +63,7 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
     settings = settings or api_settings_or_exit()
+    pg.configure(database_url=settings.database_url, pool_size=settings.api_db_pool_size)
     app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")

@@ -65,7 +65,7 @@ from prometheus_client.core import GaugeMetricFamily  # noqa: E402
 from prometheus_client.registry import Collector  # noqa: E402
 from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
-from db import pool as pg  # noqa: E402
+from db import reads  # noqa: E402
 
 PATH = "/metrics"
 # A client chooses the method: anything else is counted as one value, so it cannot make series without bound.
@@ -78,9 +78,6 @@ LATENCY = Histogram("ft_api_request_duration_seconds", "Time to answer a request
 GC_PAUSE = Histogram("ft_api_gc_pause_seconds", "Garbage-collection pauses of the API processes, by generation",
                      ["generation"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
 
-JOBS_BY_STATE = "SELECT status, queue, count(*) FROM jobs GROUP BY status, queue"
-OLDEST_QUEUED = ("SELECT queue, extract(epoch FROM now() - min(created_at))::float8 FROM jobs WHERE status = 'queued' "
-                 "GROUP BY queue")
 
 
 class _Families(Collector):
@@ -100,9 +97,10 @@ async def job_families() -> list[Any]:
                                "waited", labels=["queue"])
     up = GaugeMetricFamily("ft_jobs_scrape_ok", "1 when Postgres answered this scrape's job queries")
     try:
-        for status, queue, n in await pg.fetch(JOBS_BY_STATE):
+        by_state, oldest_queued = await reads.job_counts()
+        for status, queue, n in by_state:
             jobs.add_metric([status, queue], n)
-        for queue, seconds in await pg.fetch(OLDEST_QUEUED):
+        for queue, seconds in oldest_queued:
             oldest.add_metric([queue], seconds)
         up.add_metric([], 1)
     except Exception:  # Postgres down: the request metrics are still worth a scrape

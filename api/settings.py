@@ -70,6 +70,11 @@ class ApiSettings(StoreSettings):
         return self
 
 
+def quota_defaults(settings: ApiSettings) -> tuple[int | None, int | None]:
+    """The quota of an owner an admin set none for (db/quotas.py)."""
+    return settings.quota_max_active_jobs, settings.quota_max_gpus
+
+
 @lru_cache
 def get_settings() -> ApiSettings:
     return ApiSettings()

@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import re
 from typing import Any
 
 import asyncpg
-import orjson
 
-from api.errors import ApiError, ErrorCode, invalid
-from api.settings import ApiSettings
-from contract.problems import FieldError
+from db import jsonw
 from db import pool as pg
+from db.errors import IdempotencyConflict
 
 log = logging.getLogger(__name__)
 
 HEADER = "Idempotency-Key"
-PATTERN = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no spaces: UUIDs, ULIDs, "nightly-2026-12-03"
 PURGE_SECONDS = 600.0
 
 # Claims the key: a new row, or an expired one taken over. Returns nothing when a live row holds it.
@@ -44,20 +39,9 @@ REMEMBER = "UPDATE idempotency_keys SET job_id = $3, status_code = $4, response 
 PURGE = "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)"
 
 
-def check_key(value: str) -> str:
-    if not PATTERN.fullmatch(value):
-        raise invalid([FieldError(HEADER, "must be 1 to 255 printable ASCII characters without spaces "
-                                          "(a UUID, say)")])
-    return value
-
-
 def request_hash(request: dict[str, Any]) -> bytes:
     """The body as parsed, with sorted keys: a retry that re-serialises the same JSON differently is the same."""
-    try:
-        text = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # an integer beyond 64 bits (metadata may hold one): the standard library writes any int
-        text = json.dumps(request, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-    return hashlib.sha256(text).digest()
+    return hashlib.sha256(jsonw.dumps(request, sort_keys=True).encode()).digest()
 
 
 class Replay(Exception):
@@ -68,17 +52,17 @@ class Replay(Exception):
         self.status, self.body = status, body
 
 
-async def claim(conn: asyncpg.Connection, *, owner: str, key: str, hashed: bytes, settings: ApiSettings) -> None:
-    """Within the submit's transaction: claim the key, or raise Replay (same body) or a 409 (another body)."""
-    if await conn.fetchval(CLAIM, owner, key, hashed, settings.idempotency_hours * 3600.0):
+async def claim(conn: asyncpg.Connection, *, owner: str, key: str, hashed: bytes, keep_hours: float) -> None:
+    """Within the submit's transaction: claim the key, or raise Replay (same body) or IdempotencyConflict (another
+    body). A key is kept `keep_hours`."""
+    if await conn.fetchval(CLAIM, owner, key, hashed, keep_hours * 3600.0):
         return
     row = await conn.fetchrow(STORED, owner, key)
     if row is None:  # taken over and purged in between: rare; the client's retry will claim it
-        raise ApiError(409, ErrorCode.IDEMPOTENCY_CONFLICT, f"the {HEADER} {key!r} is in use; retry", HEADER)
+        raise IdempotencyConflict(f"the {HEADER} {key!r} is in use; retry", HEADER)
     if bytes(row["request_hash"]) != hashed:
-        raise ApiError(409, ErrorCode.IDEMPOTENCY_CONFLICT,
-                       f"the {HEADER} {key!r} was used with a different body; a retry must send the same body, "
-                       "a new request a new key", HEADER)
+        raise IdempotencyConflict(f"the {HEADER} {key!r} was used with a different body; a retry must send the "
+                                  "same body, a new request a new key", HEADER)
     raise Replay(row["status_code"], row["response"].encode())
 
 
@@ -86,11 +70,11 @@ async def remember(conn: asyncpg.Connection, *, owner: str, key: str, job_id: st
     await conn.execute(REMEMBER, owner, key, job_id, status, body)
 
 
-async def purge_forever(settings: ApiSettings) -> None:
+async def purge_forever(keep_hours: float) -> None:
     """Every few minutes, drop keys past their time. Every API process does it; the deletes are idempotent."""
     while True:
         await asyncio.sleep(PURGE_SECONDS)
         try:
-            await (await pg.pool()).execute(PURGE, settings.idempotency_hours * 3600.0)
+            await (await pg.pool()).execute(PURGE, keep_hours * 3600.0)
         except Exception as exc:  # the next pass tries again
             log.warning("could not purge expired idempotency keys: %s", type(exc).__name__)

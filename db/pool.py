@@ -1,8 +1,9 @@
 """The API's asynchronous Postgres pool (asyncpg), for the routes that dashboards call all day.
 
-The hot reads run here, on the event loop, with the JSON built by Postgres itself: a read costs one
-round trip and no Python object per column. Writes (submit, cancel) keep the SQLAlchemy session and
-its transactions (api/services/jobs.py); the control plane never uses this pool.
+The API process's one driver: its reads and writes run here, on the event loop, with the JSON built by
+Postgres itself: a read costs one round trip and no Python object per column. The control plane never
+uses this pool. The URL is the store's (core.settings.StoreSettings); the API sets its own and the pool's
+size with `configure` before the first use.
 
 Beside the pool, one connection per process LISTENs for the database's notifications (`subscribe`):
 followers are woken when their job gains events instead of polling for them.
@@ -18,8 +19,8 @@ from typing import Any
 import asyncpg
 from sqlalchemy.engine import make_url
 
-from api.errors import RETRY_AFTER_SECONDS, ApiError, ErrorCode
-from api.settings import get_settings
+from core.settings import StoreSettings
+from db.errors import Unavailable
 
 # What an unreachable or restarting Postgres raises here; each is answered 503, never 500.
 UNREACHABLE: tuple[type[BaseException], ...] = (
@@ -30,6 +31,18 @@ log = logging.getLogger(__name__)
 
 _pool: asyncpg.Pool | None = None
 _lock: asyncio.Lock | None = None
+_config: dict[str, Any] = {}
+
+
+def configure(*, database_url: str, pool_size: int = 10) -> None:
+    """The database and the pool's size for this process; without it, the store settings' URL and 10."""
+    _config.update(database_url=database_url, pool_size=pool_size)
+
+
+def database_url() -> str:
+    if "database_url" not in _config:
+        _config["database_url"] = StoreSettings().database_url
+    return _config["database_url"]
 
 
 def dsn(url: str) -> str:
@@ -45,9 +58,8 @@ async def pool() -> asyncpg.Pool:
     _lock = _lock or asyncio.Lock()
     async with _lock:
         if _pool is None:
-            settings = get_settings()
             _pool = await asyncpg.create_pool(
-                dsn(settings.database_url), min_size=1, max_size=settings.api_db_pool_size, timeout=5,
+                dsn(database_url()), min_size=1, max_size=_config.get("pool_size", 10), timeout=5,
                 command_timeout=30, server_settings={"timezone": "UTC", "application_name": "ft-api"},
                 reset=_keep_session)
     return _pool
@@ -66,9 +78,8 @@ async def close() -> None:
         _pool = None
 
 
-def unavailable() -> ApiError:
-    return ApiError(503, ErrorCode.UNAVAILABLE, "the database is unreachable; retry shortly", None,
-                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+def unavailable() -> Unavailable:
+    return Unavailable()
 
 
 async def fetchval(sql: str, *args: Any) -> Any:
@@ -90,6 +101,16 @@ async def fetch(sql: str, *args: Any) -> list[asyncpg.Record]:
         return await (await pool()).fetch(sql, *args)
     except UNREACHABLE as exc:
         raise unavailable() from exc
+
+
+async def execute(sql: str, *args: Any) -> str:
+    try:
+        return await (await pool()).execute(sql, *args)
+    except UNREACHABLE as exc:
+        raise unavailable() from exc
+
+
+PING = "SELECT 1"
 
 
 # How often the listening connection proves it is alive: a connection cut without a FIN (a dropped route)
@@ -174,7 +195,7 @@ class Listener:
                     self._round = None
                 conn = self._conn
                 if conn is not None:
-                    await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
+                    await conn.fetchval(PING, timeout=LISTEN_PING_SECONDS)
                     ok = conn is self._conn and not conn.is_closed()
         except Exception:
             ok = False
@@ -193,7 +214,7 @@ class Listener:
         delay = 0.5
         while True:
             try:
-                conn = await asyncpg.connect(dsn(get_settings().database_url), timeout=5,
+                conn = await asyncpg.connect(dsn(database_url()), timeout=5,
                                              server_settings={"application_name": "ft-api-listen"})
             except Exception as exc:
                 log.warning("cannot LISTEN (%s); followers poll meanwhile; retrying in %.1f s",
@@ -218,7 +239,7 @@ class Listener:
                         await asyncio.wait_for(lost.wait(), LISTEN_PING_SECONDS)
                     except asyncio.TimeoutError:
                         async with self._conn_lock():
-                            await conn.fetchval("SELECT 1", timeout=LISTEN_PING_SECONDS)
+                            await conn.fetchval(PING, timeout=LISTEN_PING_SECONDS)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -1,49 +1,83 @@
 """Quotas per owner: how many unfinished jobs, and how many GPUs among them, one owner may hold.
 
 An admin sets them (`PUT /owners/{owner}/quota`); an owner without a row, or a null field, takes the
-service's default. They are enforced in the submit's own transaction (api/services/jobs.py), under a lock
-per owner, so two submits cannot both take the last slot.
+service's default (`defaults`, the API's settings). They are enforced in the submit's own transaction
+(db/jobs.py), under a lock per owner, so two submits cannot both take the last slot. What is counted (`USAGE`)
+and how a row and the defaults combine (`effective`) are written here once, for the submit and for the reads.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+import asyncpg
 
-from api.access import Principal
-from api.settings import ApiSettings
-from contract.codes import UNFINISHED_STATUSES
+from contract.codes import UNFINISHED_STATUSES, sql_list
 from db import audit
-from db.models import Job, OwnerQuota
+from db import pool as pg
+
+Limits = tuple[int | None, int | None]
+
+# The owner's unfinished jobs and their GPUs (from the partial index ix_jobs_owner_unfinished), `{owner}` its
+# parameter.
+USAGE = ("SELECT count(*) AS jobs, coalesce(sum(gpus), 0) AS gpus FROM jobs "
+         f"WHERE owner = {{owner}} AND status IN {sql_list(UNFINISHED_STATUSES)}")
+ROW = "SELECT max_active_jobs, max_gpus FROM owner_quotas WHERE owner = $1"
+# The owner's quota, read under a lock of the owner's own for the rest of the transaction: the next
+# statement's snapshot then sees every job an earlier submit of the owner committed, so two submits
+# cannot both take the last slot. Submits of other owners do not wait for it.
+LOCK_OWNER = """
+SELECT pg_advisory_xact_lock(hashtextextended('ft_quota:' || $1, 0)), q.max_active_jobs, q.max_gpus
+FROM (SELECT 1) AS one LEFT JOIN owner_quotas AS q ON q.owner = $1"""
+PUT = """
+INSERT INTO owner_quotas (owner, max_active_jobs, max_gpus, updated_at) VALUES ($1, $2, $3, now())
+ON CONFLICT (owner) DO UPDATE SET max_active_jobs = EXCLUDED.max_active_jobs, max_gpus = EXCLUDED.max_gpus,
+    updated_at = EXCLUDED.updated_at"""
 
 
-def effective(row: OwnerQuota | None, settings: ApiSettings) -> tuple[int | None, int | None]:
-    jobs = row.max_active_jobs if row and row.max_active_jobs is not None else settings.quota_max_active_jobs
-    gpus = row.max_gpus if row and row.max_gpus is not None else settings.quota_max_gpus
+def effective(row: Any, defaults: Limits) -> Limits:
+    """The limits in effect: the row's fields (max_active_jobs, max_gpus) where set, else the defaults."""
+    jobs = row["max_active_jobs"] if row is not None and row["max_active_jobs"] is not None else defaults[0]
+    gpus = row["max_gpus"] if row is not None and row["max_gpus"] is not None else defaults[1]
     return jobs, gpus
 
 
-def get(*, session: Session, owner: str, settings: ApiSettings) -> dict[str, Any]:
-    row = session.get(OwnerQuota, owner)
-    jobs, gpus = effective(row, settings)
-    count, used = session.execute(select(func.count(), func.coalesce(func.sum(Job.gpus), 0))
-                                  .where(Job.owner == owner, Job.status.in_(UNFINISHED_STATUSES))).one()
+async def has_row(conn: asyncpg.Connection, owner: str) -> bool:
+    return bool(await conn.fetch(ROW, owner))
+
+
+async def lock(conn: asyncpg.Connection, owner: str, defaults: Limits) -> Limits:
+    """Within a submit's transaction: the owner's lock taken, the limits in effect."""
+    return effective(await conn.fetchrow(LOCK_OWNER, owner), defaults)
+
+
+async def get(*, owner: str, defaults: Limits) -> dict[str, Any]:
+    try:
+        async with (await pg.pool()).acquire() as conn:
+            return await _get(conn, owner, defaults)
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+
+
+async def _get(conn: asyncpg.Connection, owner: str, defaults: Limits) -> dict[str, Any]:
+    row = await conn.fetchrow(ROW, owner)
+    count, used = await conn.fetchrow(USAGE.format(owner="$1"), owner)
+    jobs, gpus = effective(row, defaults)
     return {"owner": owner, "max_active_jobs": jobs, "max_gpus": gpus,
-            "set": {"max_active_jobs": row.max_active_jobs if row else None, "max_gpus": row.max_gpus if row else None},
+            "set": {"max_active_jobs": row["max_active_jobs"] if row else None,
+                    "max_gpus": row["max_gpus"] if row else None},
             "usage": {"active_jobs": int(count), "gpus": int(used)}}
 
 
-def put(*, session: Session, owner: str, max_active_jobs: int | None, max_gpus: int | None, actor: Principal,
-        settings: ApiSettings) -> dict[str, Any]:
+async def put(*, owner: str, max_active_jobs: int | None, max_gpus: int | None, actor: audit.Actor,
+              defaults: Limits) -> dict[str, Any]:
     """Replace the owner's quota. Lowering it below the current use refuses new submits; it ends no job."""
-    row = session.get(OwnerQuota, owner, with_for_update=True)
-    if row is None:
-        row = OwnerQuota(owner=owner)
-        session.add(row)
-    row.max_active_jobs, row.max_gpus, row.updated_at = max_active_jobs, max_gpus, datetime.now(timezone.utc)
-    audit.record(session, actor, "quota.set", owner, {"max_active_jobs": max_active_jobs, "max_gpus": max_gpus})
-    session.commit()
-    return get(session=session, owner=owner, settings=settings)
+    try:
+        async with (await pg.pool()).acquire() as conn:
+            async with conn.transaction():
+                await conn.execute(PUT, owner, max_active_jobs, max_gpus)
+                await audit.record(conn, actor, "quota.set", owner,
+                                   {"max_active_jobs": max_active_jobs, "max_gpus": max_gpus})
+            return await _get(conn, owner, defaults)
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc

@@ -16,30 +16,43 @@ from __future__ import annotations
 import json
 import secrets
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import asyncpg
 import psycopg
 from sqlalchemy import text
-from sqlalchemy.orm import Session
 
-from api.access import Principal
-from api.errors import ApiError, ErrorCode, invalid
-from api.settings import ApiSettings
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
-from contract.problems import FieldError
-from contract.spec import JobSpec
 from core import secretbox, webhooks
+from db import audit
 from db import pool as pg
-from db.models import Job
+from db.errors import NotFound
 
-FIELD = "notifications.webhook_url"
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from core.settings import StoreSettings
+
+
+class JobView(Protocol):
+    """What a delivery needs of its job: an ORM Job, or a row read by db/jobs.py."""
+
+    id: str
+    name: str
+    owner: str
+    queue: str
+    status: str
+    attempt: int
+    request: dict[str, Any] | None
+    error: dict[str, Any] | None
+    output: Any
 
 
 def new_id() -> str:
     return "whd_" + secrets.token_hex(10)
 
 
-def event_type(job: Job, kind: str, data: dict[str, Any]) -> str | None:
+def event_type(job: JobView, kind: str, data: dict[str, Any]) -> str | None:
     """The webhook event an appended job event is, or None. State events count only where the row now has
     that state: an event the ingester kept but ignored (the job had ended) or a duplicate announces nothing."""
     if kind == EventKind.CHECKPOINT:
@@ -54,7 +67,7 @@ def event_type(job: Job, kind: str, data: dict[str, Any]) -> str | None:
     return None
 
 
-def _details(job: Job, event: str, data: dict[str, Any]) -> dict[str, Any]:
+def _details(job: JobView, event: str, data: dict[str, Any]) -> dict[str, Any]:
     """What the receiver needs of the event; the job's full record is one `GET /jobs/{id}` away."""
     if event == "job.checkpoint":
         return {"step": data.get("step"), "path": data.get("path")}
@@ -68,7 +81,7 @@ def _details(job: Job, event: str, data: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def job_url(job: Job) -> str | None:
+def job_url(job: JobView) -> str | None:
     notifications = (job.request or {}).get("notifications") or {}
     return notifications.get("webhook_url") if isinstance(notifications, dict) else None
 
@@ -77,54 +90,54 @@ INSERT = text("""
 INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
 VALUES (:id, :job_id, :owner, :seq, :event, :url, :receiver, CAST(:payload AS jsonb), now())
 ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING""")
-OWNER_URL = text("SELECT url FROM webhook_owners WHERE owner = :owner")
+OWNER_URL = "SELECT url FROM webhook_owners WHERE owner = $1"
+# The outbox row's values, in the order of db/events.py's APPEND ($7 to $12); all None: no delivery.
+NO_DELIVERY: tuple[None, ...] = (None,) * 6
 
 
-def enqueue(session: Session, job: Job, kind: str, data: dict[str, Any], seq: int) -> None:
-    """Add the event's delivery to the session's transaction, where the job or its owner names a URL."""
+def delivery(job: JobView, kind: str, data: dict[str, Any], seq: int, owner_url: Any) -> tuple[Any, ...] | None:
+    """The delivery that announces the event (id, owner, event, url, receiver, payload JSON), or None: none where
+    the event announces nothing, or neither the job nor its owner names a URL. `owner_url()` reads the owner's
+    default URL (asked only when it is needed)."""
     event = event_type(job, kind, data)
     if event is None:
-        return
-    url = job_url(job) or session.scalar(OWNER_URL, {"owner": job.owner})
+        return None
+    url = job_url(job) or owner_url()
     if not url:
-        return
+        return None
     try:
         receiver = webhooks.target(url).receiver
     except webhooks.Refused:
-        return  # an owner default set around the API; the submit refuses such a job URL
-    delivery = new_id()
-    payload = {"id": delivery, "type": event, "created_at": datetime.now(timezone.utc).isoformat(),
+        return None  # an owner default set around the API; the submit refuses such a job URL
+    delivery_id = new_id()
+    payload = {"id": delivery_id, "type": event, "created_at": datetime.now(timezone.utc).isoformat(),
                "job": {"id": job.id, "name": job.name, "owner": job.owner, "queue": job.queue, "status": job.status,
                        "attempt": job.attempt},
                "event_id": seq, "data": _details(job, event, data)}
-    session.execute(INSERT, {"id": delivery, "job_id": job.id, "owner": job.owner, "seq": seq, "event": event,
-                             "url": url, "receiver": receiver, "payload": json.dumps(payload, default=str)})
+    return delivery_id, job.owner, event, url, receiver, json.dumps(payload, default=str)
 
 
-def refused(field: str, message: str) -> ApiError:
-    return invalid([FieldError(field, message)])
+async def owner_url(conn: asyncpg.Connection, owner: str) -> str | None:
+    return await conn.fetchval(OWNER_URL, owner)
 
 
-async def vet(url: str, settings: ApiSettings, field: str) -> None:
-    """A 422 naming `field` unless every address of the URL's host may be called (the SSRF rules)."""
-    try:
-        await webhooks.vet(url, webhooks.parse_allow_nets(settings.webhook_allow_nets))
-    except webhooks.Refused as exc:
-        raise refused(field, str(exc)) from None
-
-
-async def check_job(*, spec: JobSpec, caller: Principal, settings: ApiSettings) -> None:
-    """A submit's webhook checks (dry runs too): the URL is callable and its owner can sign for it."""
-    url = spec.notifications.webhook_url if spec.notifications else None
-    if url is None:
+def enqueue(session: Session, job: JobView, kind: str, data: dict[str, Any], seq: int) -> None:
+    """Add the event's delivery to the session's transaction, where the job or its owner names a URL (the control
+    plane's synchronous append, db/events.py)."""
+    found = delivery(job, kind, data, seq, lambda: session.scalar(text(OWNER_URL.replace("$1", ":owner")),
+                                                                  {"owner": job.owner}))
+    if found is None:
         return
-    problem = webhooks.syntax_problem(url)
-    if problem:
-        raise refused(FIELD, problem)
-    if not await pg.fetchval("SELECT EXISTS (SELECT 1 FROM webhook_owners WHERE owner = $1)", caller.owner):
-        raise refused(FIELD, f"owner {caller.owner!r} has no webhook secret to sign deliveries with; create it "
-                             f"with PUT /owners/{caller.owner}/webhook (its answer shows the secret once)")
-    await vet(url, settings, FIELD)
+    delivery_id, owner, event, url, receiver, payload = found
+    session.execute(INSERT, {"id": delivery_id, "job_id": job.id, "owner": owner, "seq": seq, "event": event,
+                             "url": url, "receiver": receiver, "payload": payload})
+
+
+OWNER_HAS_SECRET = "SELECT EXISTS (SELECT 1 FROM webhook_owners WHERE owner = $1)"
+
+
+async def owner_has_secret(owner: str) -> bool:
+    return bool(await pg.fetchval(OWNER_HAS_SECRET, owner))
 
 
 OWNER_JSON = ("json_build_object('owner', owner, 'url', url, 'secret_prefix', secret_prefix, "
@@ -140,47 +153,33 @@ ON CONFLICT (owner) DO UPDATE SET url = EXCLUDED.url, updated_at = now(),
     secret_prefix = CASE WHEN $4 THEN EXCLUDED.secret_prefix ELSE w.secret_prefix END,
     rotated_at = CASE WHEN $4 THEN now() ELSE w.rotated_at END
 RETURNING {OWNER_JSON}, secret = $3"""
-AUDIT = ("INSERT INTO audit_log (at, key_id, owner, action, subject, data) "
-         "VALUES (now(), $1, $2, 'webhook.set', $3, $4::jsonb)")
 
 
-def _may_act_for(caller: Principal, owner: str) -> None:
-    if not caller.admin and caller.owner != owner:
-        raise ApiError(403, ErrorCode.FORBIDDEN, f"a key of owner {caller.owner!r} may manage only its own owner's "
-                                                 "webhook; another owner's needs the scope 'admin'", "owner")
-
-
-async def get_owner(*, owner: str, caller: Principal) -> dict[str, Any]:
-    _may_act_for(caller, owner)
+async def get_owner(owner: str) -> dict[str, Any]:
+    """The owner's webhook settings (never the secret), or NotFound."""
     found = await pg.fetchval(GET_OWNER, owner)
     if found is None:
-        raise ApiError(404, ErrorCode.NOT_FOUND, f"owner {owner!r} has no webhook settings; PUT them first", "owner")
+        raise NotFound(f"owner {owner!r} has no webhook settings; PUT them first", "owner")
     return {**json.loads(found), "secret": None}
 
 
-async def put_owner(*, owner: str, url: str | None, rotate: bool, caller: Principal,
-                    settings: ApiSettings) -> dict[str, Any]:
-    """Set the owner's default URL (null: none) and make its secret on first use or when asked to rotate; the
-    secret is in this answer only."""
-    _may_act_for(caller, owner)
-    if url is not None:
-        await vet(url, settings, "url")
-    secret = webhooks.new_secret()
-    sealed = secretbox.keyring(settings).seal(secret, context=secretbox.webhook_context(owner))
+async def put_owner(*, owner: str, url: str | None, rotate: bool, sealed: str, prefix: str,
+                    actor: audit.Actor) -> tuple[dict[str, Any], bool]:
+    """Set the owner's default URL and store `sealed` where the owner has no secret yet or `rotate` asks: the
+    settings, and whether `sealed` was stored."""
     try:
         async with (await pg.pool()).acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(PUT_OWNER, owner, url, sealed, rotate, secret[:webhooks.SHOWN_PREFIX])
-            await conn.execute(AUDIT, caller.key_id, caller.owner, owner,
-                               json.dumps({"url": url, "secret_made": bool(row[1])}))
+            row = await conn.fetchrow(PUT_OWNER, owner, url, sealed, rotate, prefix)
+            await audit.record(conn, actor, "webhook.set", owner, {"url": url, "secret_made": bool(row[1])})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
-    return {**json.loads(row[0]), "secret": secret if row[1] else None}
+    return json.loads(row[0]), bool(row[1])
 
 
 RESEAL_BATCH = 500
 
 
-def reseal_all(settings: ApiSettings) -> tuple[int, int, dict[str, str]]:
+def reseal_all(settings: StoreSettings) -> tuple[int, int, dict[str, str]]:
     """Seal every stored webhook secret with the first key of FT_SECRETS_KEY (after a new key was put first;
     a plain one an older version wrote is sealed too): (changed, total, {owner: why} for rows no key opens).
     Rows are rewritten in batches, each locked while it changes, so it runs beside a serving API."""
@@ -230,7 +229,7 @@ async def deliveries(*, job_id: str, owner: str | None, after: int, limit: int) 
     if not rows:
         exists = "SELECT EXISTS (SELECT 1 FROM jobs WHERE id = $1" + (" AND owner = $2)" if owner else ")")
         if not await pg.fetchval(exists, *([job_id, owner] if owner else [job_id])):
-            raise ApiError(404, ErrorCode.NOT_FOUND, f"no job with id {job_id!r}", "id")
+            raise NotFound(f"no job with id {job_id!r}", "id")
     page = rows[:limit]
     next_after = page[-1][0] if page else after
     return (b'{"data":[' + ",".join(r[1] for r in page).encode() + b'],"has_more":'

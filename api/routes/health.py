@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy import text
 
-from api.deps import RedisDep, SessionDep
+from api.deps import RedisDep
 from api.errors import responses
 from api.schemas import Health
+from db import reads
 
 # The body limit holds for every request, probes included.
 router = APIRouter(tags=["health"], responses=responses(413))
@@ -24,15 +25,15 @@ async def healthz() -> Response:
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
-def readyz(session: SessionDep, client: RedisDep) -> JSONResponse:
+async def readyz(client: RedisDep) -> JSONResponse:
     checks: dict[str, str] = {}
     try:
-        session.execute(text("SELECT 1 FROM jobs LIMIT 1"))
+        await reads.ready()
         checks["postgres"] = "ok"
     except Exception as exc:  # readiness reports, it does not raise
         checks["postgres"] = f"error: {type(exc).__name__}"
     try:
-        client.ping()
+        await anyio.to_thread.run_sync(client.ping)
         checks["redis"] = "ok"
     except Exception as exc:
         checks["redis"] = f"error: {type(exc).__name__}"

@@ -5,21 +5,21 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-import anyio
-from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import StringConstraints
 
-from api import feeds, reads
-from api.access import Principal, Scope
-from api.deps import CallerDep, RedisDep, SessionDep, SettingsDep, scoped
+from api import feeds
+from api.access import Scope
+from api.deps import CallerDep, JobForCaller, JobId, RedisDep, SettingsDep, job_for_caller, owner_of, scoped
 from api.errors import ApiError, ErrorCode, responses
 from api.guards import StrictJSONRoute
 from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import jobs as service
+from api.services import webhooks
 from api.services.estimate import DryRun
 from contract.codes import EventKind
-from db import idempotency, webhooks
+from db import idempotency, reads
 
 # Every route may answer these: the key and its scope are checked, the body measured and the stores reached.
 COMMON = (401, 403, 413, 422, 503)
@@ -37,7 +37,6 @@ class JSONBytes(Response):
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # job_events.seq is a Postgres INTEGER: a larger cursor can match nothing, and Postgres refuses to compare it.
 MAX_SEQ = 2**31 - 1
-ID_PATTERN = r"^[A-Za-z0-9_-]{1,40}$"
 # What `POST /jobs` makes (api/services/jobs.py new_id): a list cursor is one of those, or it cannot match.
 JOB_ID_PATTERN = r"^job_[0-9a-f]{20}$"
 # An event id from 0 to MAX_SEQ (leading zeros allowed, at most 10 digits), or empty: the header's whole rule.
@@ -45,15 +44,9 @@ LAST_EVENT_ID_PATTERN = (r"^(?:[0-9]{0,9}|[01][0-9]{9}|20[0-9]{8}|21[0-3][0-9]{7
                          r"|21474[0-7][0-9]{4}|214748[0-2][0-9]{3}|2147483[0-5][0-9]{2}|21474836[0-3][0-9]"
                          r"|214748364[0-7])$")
 
-JobId = Annotated[str, Path(pattern=ID_PATTERN, description="A job id, as `POST /jobs` returned it")]
 Cursor = Annotated[int, Query(ge=0, le=MAX_SEQ, description="Events after this id (0: from the start)")]
 EventType = Annotated[str, StringConstraints(pattern=r"^[a-z_]{1,32}$")]
 READ, WRITE = scoped(Scope.JOBS_READ), scoped(Scope.JOBS_WRITE)
-
-
-def owner_of(caller: Principal) -> str | None:
-    """Whose jobs the caller may see: its own owner's, or every owner's (None) for an admin."""
-    return None if caller.admin else caller.owner
 
 
 DRY_RUN_ANSWER = {200: {"model": DryRun, "description": "With `dry_run=true`: the job as it would be stored, its "
@@ -101,16 +94,16 @@ async def list_jobs(caller: CallerDep,
 
 
 @router.get("/{job_id}", response_model=Job, responses=responses(404), openapi_extra=READ)
-async def get_job(job_id: JobId, caller: CallerDep) -> Response:
-    return JSONBytes(await reads.job_cached(job_id, owner_of(caller)))
+async def get_job(job: JobForCaller) -> Response:
+    return JSONBytes(job)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409),
              openapi_extra=WRITE)
-def cancel_job(job_id: JobId, session: SessionDep, client: RedisDep, caller: CallerDep) -> Response:
-    service.cancel(session=session, client=client, job_id=job_id, caller=caller)
+async def cancel_job(job_id: JobId, client: RedisDep, caller: CallerDep) -> Response:
+    await service.cancel(client=client, job_id=job_id, caller=caller)
     # The same bytes a read gives (Postgres renders every job response, timestamps included).
-    return JSONBytes(anyio.from_thread.run(reads.job, job_id), status_code=202)
+    return JSONBytes(await reads.job(job_id), status_code=202)
 
 
 @router.get("/{job_id}/events", response_model=EventPage,
@@ -133,8 +126,7 @@ async def job_events(request: Request, job_id: JobId, caller: CallerDep, after: 
     owner = owner_of(caller)
     if "text/event-stream" in request.headers.get("accept", ""):
         # A job's owner never changes: checked once here, the feed (shared by every follower) needs no owner.
-        if not await reads.exists(job_id, owner):
-            raise reads.not_found(job_id)
+        await job_for_caller(job_id, caller)
         return StreamingResponse(feeds.follow(job_id, after, type, feeds.sse), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     return JSONBytes(await reads.events_page(job_id, after=after, limit=limit, types=type, owner=owner))
@@ -146,10 +138,8 @@ async def job_events(request: Request, job_id: JobId, caller: CallerDep, after: 
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "The log as text; with `follow=true` streamed until the job ends"},
                        **responses(404)}, openapi_extra=READ)
-async def job_logs(job_id: JobId, caller: CallerDep, follow: bool = False, after: Cursor = 0) -> Response:
+async def job_logs(job_id: JobId, _: JobForCaller, follow: bool = False, after: Cursor = 0) -> Response:
     """Every rank's output as plain text; `follow=true` streams until the job ends (`curl -N`)."""
-    if not await reads.exists(job_id, owner_of(caller)):
-        raise reads.not_found(job_id)
     if follow:
         return StreamingResponse(feeds.follow(job_id, after, [EventKind.LOG], feeds.log_line),
                                  media_type="text/plain; charset=utf-8", headers=SSE_HEADERS)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Path, Query
 
+from api import access
 from api.access import CACHE, Scope
-from api.deps import CallerDep, SessionDep, scoped
+from api.deps import CallerDep, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.schemas import OWNER_PATTERN, Key, KeyCreate, KeyCreated, KeyList
@@ -23,28 +23,27 @@ ADMIN = scoped(Scope.ADMIN)
 
 
 @router.post("", status_code=201, response_model=KeyCreated, openapi_extra=ADMIN)
-def create_key(body: KeyCreate, session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+async def create_key(body: KeyCreate, caller: CallerDep) -> dict[str, Any]:
     """A new key for `owner` with `scopes`; the answer's `key` is the secret, shown this once."""
-    key, secret = service.create(session=session, owner=body.owner, scopes=list(body.scopes), name=body.name,
-                                 expires_at=body.expires_at, actor=caller)
-    return {**service.view(key), "key": secret}
+    key, secret = await access.create_key(owner=body.owner, scopes=list(body.scopes), name=body.name,
+                                          expires_at=body.expires_at, actor=caller.actor())
+    return {**key, "key": secret}
 
 
 @router.get("", response_model=KeyList, openapi_extra=ADMIN)
-def list_keys(session: SessionDep,
-              owner: Annotated[str | None, Query(pattern=OWNER_PATTERN)] = None,
+async def list_keys(owner: Annotated[str | None, Query(pattern=OWNER_PATTERN)] = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               after: Annotated[str | None, Query(pattern=KEY_ID_PATTERN, description=(
                   "The last id of the previous page (an id that is no key's is a 422)"))] = None) -> dict[str, Any]:
     """Every key (revoked ones too), newest first, without secrets."""
-    return service.listing(session=session, owner=owner, limit=limit, after=after)
+    return await service.listing(owner=owner, limit=limit, after=after)
 
 
 @router.delete("/{key_id}", response_model=Key, responses=responses(404), openapi_extra=ADMIN)
-def revoke_key(key_id: Annotated[str, Path(pattern=KEY_ID)], session: SessionDep, caller: CallerDep) -> dict[str, Any]:
+async def revoke_key(key_id: Annotated[str, Path(pattern=KEY_ID)], caller: CallerDep) -> dict[str, Any]:
     """Revokes the key: from this answer on it gets 401 from every API process. Revoking twice changes nothing."""
-    key = service.revoke(session=session, key_id=key_id, actor=caller)
-    # This process forgets it itself, before it answers, on the event loop that owns the cache: its own next
-    # request must not pass on the cache while the notification is on its way.
-    anyio.from_thread.run_sync(CACHE.forget, bytes(key.secret_hash))
-    return service.view(key)
+    key, secret_hash = await service.revoke(key_id=key_id, actor=caller.actor())
+    # This process forgets it itself, before it answers: its own next request must not pass on the cache while
+    # the notification is on its way.
+    CACHE.forget(secret_hash)
+    return key

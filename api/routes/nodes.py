@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from api import reads
 from api.access import Scope
 from api.deps import SettingsDep, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.routes.jobs import JSONBytes
 from api.schemas import NodeList
+from db import reads
 
 router = APIRouter(prefix="/nodes", tags=["nodes"], route_class=StrictJSONRoute, responses=responses(401, 403, 503))
 

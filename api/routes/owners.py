@@ -7,10 +7,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from api.access import Scope
-from api.deps import CallerDep, SessionDep, SettingsDep, scoped
+from api.deps import CallerDep, SettingsDep, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
 from api.schemas import OWNER_PATTERN, Quota, QuotaSet
+from api.settings import quota_defaults
 from db import quotas as service
 
 router = APIRouter(prefix="/owners", tags=["owners"], route_class=StrictJSONRoute,
@@ -19,15 +20,14 @@ Owner = Annotated[str, Path(pattern=OWNER_PATTERN, description="A team or projec
 
 
 @router.put("/{owner}/quota", response_model=Quota, openapi_extra=scoped(Scope.ADMIN))
-def set_quota(owner: Owner, body: QuotaSet, session: SessionDep, settings: SettingsDep,
-              caller: CallerDep) -> dict[str, Any]:
+async def set_quota(owner: Owner, body: QuotaSet, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """Replaces the owner's quota (a null or missing field takes the service default); applies to the next
     submit. Lowering it below the current use ends no job; it refuses new ones until use falls below it."""
-    return service.put(session=session, owner=owner, max_active_jobs=body.max_active_jobs, max_gpus=body.max_gpus,
-                       actor=caller, settings=settings)
+    return await service.put(owner=owner, max_active_jobs=body.max_active_jobs, max_gpus=body.max_gpus,
+                             actor=caller.actor(), defaults=quota_defaults(settings))
 
 
 @router.get("/{owner}/quota", response_model=Quota, openapi_extra=scoped(Scope.ADMIN))
-def get_quota(owner: Owner, session: SessionDep, settings: SettingsDep) -> dict[str, Any]:
+async def get_quota(owner: Owner, settings: SettingsDep) -> dict[str, Any]:
     """The quota in effect for the owner and its current use."""
-    return service.get(session=session, owner=owner, settings=settings)
+    return await service.get(owner=owner, defaults=quota_defaults(settings))

@@ -8,12 +8,13 @@ from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 
 from api.access import Scope
-from api.deps import CallerDep, SettingsDep, scoped
+from api.deps import CallerDep, JobId, SettingsDep, owner_of, scoped
 from api.errors import responses
 from api.guards import StrictJSONRoute
-from api.routes.jobs import COMMON, MAX_SEQ, JobId, JSONBytes, owner_of
+from api.routes.jobs import COMMON, MAX_SEQ, JSONBytes
 from api.schemas import OWNER_PATTERN, DeliveryPage, OwnerWebhook, OwnerWebhookSet
-from db import webhooks as service
+from api.services import webhooks as service
+from db import webhooks as store
 
 router = APIRouter(tags=["webhooks"], route_class=StrictJSONRoute, responses=responses(*COMMON))
 Owner = Annotated[str, Path(pattern=OWNER_PATTERN, description="A team or project name, as keys name it")]
@@ -42,4 +43,4 @@ async def job_deliveries(job_id: JobId, caller: CallerDep,
                          limit: Annotated[int, Query(ge=1, le=200)] = 100) -> Response:
     """The job's webhook deliveries in event order: status, attempts, the last HTTP status or error, and when
     the next attempt is due."""
-    return JSONBytes(await service.deliveries(job_id=job_id, owner=owner_of(caller), after=after, limit=limit))
+    return JSONBytes(await store.deliveries(job_id=job_id, owner=owner_of(caller), after=after, limit=limit))

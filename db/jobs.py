@@ -1,0 +1,162 @@
+"""Job writes of the API: submit and cancel, each one transaction, and the two small reads a live feed needs.
+
+A submit is filed under its owner, counted against the owner's quota and, with an Idempotency-Key, recorded for
+retries, all in the transaction that inserts the row: a refused submit leaves nothing behind, and a stored answer
+always names a job that exists. The row, its first event (with its webhook delivery, as every appended event)
+and its audit entry are one statement: one round trip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
+from db import audit, events, idempotency, jsonw, quotas, reads
+from db import pool as pg
+from db.errors import Conflict, NotFound, QuotaExceeded
+
+# Nothing counted where no limit applies.
+NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
+# The row, its first event (naming who submitted it, with its delivery where one announces it) and its audit
+# entry in one statement: all or nothing, in one round trip. The row is inserted only within the quota ($11 jobs,
+# $12 GPUs; null: no limit); otherwise the answer is the use that refused it. The first event's delivery is
+# $16 to $21 (db/webhooks.py `delivery`; all null: none), as `events.APPEND` writes it.
+INSERT_JOB = f"""
+WITH usage AS ({{usage}}), job AS (
+    INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, job_dir, progress,
+                      checkpoints, metadata, event_seq, created_at, updated_at)
+    SELECT $1, $2, $9, $10::int, $15::int, '{JobStatus.QUEUED.value}', 1, $3, $4::jsonb, $5::jsonb, $6, $7::jsonb,
+           '[]'::jsonb, $8::jsonb, 1, now(), now()
+    FROM usage
+    WHERE ($11::bigint IS NULL OR usage.jobs + 1 <= $11) AND ($12::bigint IS NULL OR usage.gpus + $10::int <= $12)
+    RETURNING *
+), first_event AS (
+    {events.INSERT}
+    SELECT id, 1, 1, '{EventKind.STATE.value}',
+           jsonb_build_object('status', '{JobStatus.QUEUED.value}', 'actor', $13::jsonb), NULL, now() FROM job
+), delivery AS (
+    INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
+    SELECT $16::text, id, $17, 1, $18, $19, $20, $21::jsonb, now() FROM job WHERE $16::text IS NOT NULL
+), audited AS (
+    {audit.INSERT}
+    SELECT now(), $14, $9, 'job.submit', id, jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
+)
+SELECT (SELECT {{job_json}} FROM job), usage.jobs, usage.gpus FROM usage"""
+INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$9"), job_json=reads.JOB_JSON)
+INSERT_UNCOUNTED = INSERT_JOB.format(usage=NO_USAGE, job_json=reads.JOB_JSON)
+
+
+async def submit(*, job: dict[str, Any], actor: dict[str, str | None], defaults: quotas.Limits,
+                 idempotency_key: str | None = None, request_hash: bytes = b"",
+                 keep_hours: float = 24.0) -> tuple[int, bytes]:
+    """Insert the job (id, name, queue, request, resolved, job_dir, progress, metadata, owner, gpus, priority)
+    within its owner's quota (QuotaExceeded otherwise), with its first event and audit entry. Returns the status
+    and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the first answer."""
+    owner, gpus = job["owner"], job["gpus"]
+    args: list[Any] = [
+        job["id"], job["name"], job["queue"], jsonw.dumps(job["request"]), jsonw.dumps(job["resolved"]),
+        job["job_dir"], jsonw.dumps(job["progress"]), jsonw.dumps(job["metadata"]), owner, gpus]
+    # After the quota limits ($11, $12): who submits ($13, $14), the priority the scheduler orders by ($15) and
+    # the first event's delivery ($16 to $21).
+    view = SimpleNamespace(id=job["id"], name=job["name"], owner=owner, queue=job["queue"], status=JobStatus.QUEUED,
+                           attempt=1, request=job["request"], error=None, output=None, event_seq=1)
+    first = {"status": JobStatus.QUEUED, "actor": actor}
+    tail = [jsonw.dumps(actor), actor["key_id"], job["priority"]]
+    try:
+        async with (await pg.pool()).acquire() as conn:
+            if idempotency_key is None and defaults == (None, None) and not await quotas.has_row(conn, owner):
+                # Nothing to count and nothing to remember: the one statement, no transaction around it.
+                delivery = await _first_delivery(conn, view, first)
+                row = await conn.fetchrow(INSERT_UNCOUNTED, *args, None, None, *tail, *delivery)
+                return 201, row[0].encode()
+            async with conn.transaction():
+                if idempotency_key is not None:
+                    await idempotency.claim(conn, owner=owner, key=idempotency_key, hashed=request_hash,
+                                            keep_hours=keep_hours)
+                limits = await quotas.lock(conn, owner, defaults)
+                counted = limits != (None, None)
+                delivery = await _first_delivery(conn, view, first)
+                body, jobs, used_gpus = await conn.fetchrow(INSERT_COUNTED if counted else INSERT_UNCOUNTED,
+                                                            *args, *limits, *tail, *delivery)
+                if body is None:
+                    raise QuotaExceeded(owner, limits, (jobs, used_gpus), gpus)
+                if idempotency_key is not None:
+                    await idempotency.remember(conn, owner=owner, key=idempotency_key, job_id=job["id"], status=201,
+                                               body=body)
+        return 201, body.encode()
+    except idempotency.Replay as replay:
+        return replay.status, replay.body
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+
+
+async def _first_delivery(conn: Any, view: SimpleNamespace, data: dict[str, Any]) -> tuple[Any, ...]:
+    """The submit's first event's delivery, decided as every appended event's is (db/events.py)."""
+    from db import webhooks
+
+    url = None
+    if webhooks.event_type(view, EventKind.STATE, data) is not None and not webhooks.job_url(view):
+        url = await webhooks.owner_url(conn, view.owner)
+    return webhooks.delivery(view, EventKind.STATE, data, 1, lambda: url) or webhooks.NO_DELIVERY
+
+
+LOCK_COLUMNS = "id, name, owner, queue, status, attempt, request::text, error::text, output::text, event_seq"
+LOCK = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 FOR UPDATE"
+LOCK_FOR_OWNER = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 AND owner = $2 FOR UPDATE"
+SET_STATUS = f"""
+UPDATE jobs SET status = $2, event_seq = event_seq + 1, updated_at = now(),
+    finished_at = CASE WHEN $2 = '{JobStatus.CANCELLED.value}' THEN now() ELSE finished_at END
+WHERE id = $1 RETURNING event_seq"""
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+async def cancel(*, job_id: str, owner: str | None, actor: dict[str, str | None],
+                 tell_workers: Callable[[str, int], Awaitable[None]]) -> None:
+    """Cancel the job (with `owner`, only that owner's: another's is NotFound): a queued one is cancelled at once,
+    a started one is `cancelling` until its worker stops. Conflict where it has ended already; nothing where it is
+    cancelling. `tell_workers(job_id, attempt)` runs before the change commits: if the commit fails, the worker
+    still stops and reports it."""
+    try:
+        async with (await pg.pool()).acquire() as conn, conn.transaction():
+            row = await (conn.fetchrow(LOCK, job_id) if owner is None else conn.fetchrow(LOCK_FOR_OWNER, job_id, owner))
+            if row is None:
+                raise NotFound(f"no job with id {job_id!r}", "id")
+            before = row["status"]
+            if before in TERMINAL_STATUSES:
+                raise Conflict(f"job {job_id} already ended as {before}; it cannot be cancelled", "status")
+            if before == JobStatus.CANCELLING:
+                return
+            await tell_workers(job_id, row["attempt"])
+            if before == JobStatus.QUEUED:
+                status, data = JobStatus.CANCELLED, {"status": JobStatus.CANCELLED,
+                                                     "reason": "cancelled before it started", "actor": actor}
+            else:
+                status, data = JobStatus.CANCELLING, {"status": JobStatus.CANCELLING, "actor": actor}
+            seq = await conn.fetchval(SET_STATUS, job_id, status.value)
+            job = SimpleNamespace(id=row["id"], name=row["name"], owner=row["owner"], queue=row["queue"],
+                                  status=status.value, attempt=row["attempt"], request=_loads(row["request"]),
+                                  error=_loads(row["error"]), output=_loads(row["output"]), event_seq=seq)
+            await events.append_async(conn, job, EventKind.STATE, data)
+            await audit.record(conn, actor, "job.cancel", job_id, {"owner": row["owner"], "status_before": before})
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+
+
+NEWEST_SEQ = "SELECT coalesce(max(seq), 0) FROM job_events WHERE job_id = $1"
+STATUS = "SELECT status FROM jobs WHERE id = $1"
+
+
+async def newest_seq(job_id: str) -> int:
+    """The job's last event's sequence number (0: none)."""
+    return await (await pg.pool()).fetchval(NEWEST_SEQ, job_id)
+
+
+async def status(job_id: str) -> str | None:
+    """The job's status, or None where there is no such job."""
+    return await (await pg.pool()).fetchval(STATUS, job_id)
