@@ -107,8 +107,8 @@ LOCK_COLUMNS = "id, name, owner, queue, status, attempt, request::text, error::t
 LOCK = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 FOR UPDATE"
 LOCK_FOR_OWNER = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 AND owner = $2 FOR UPDATE"
 SET_STATUS = f"""
-UPDATE jobs SET status = $2, event_seq = event_seq + 1, updated_at = now(),
-    finished_at = CASE WHEN $2 = '{JobStatus.CANCELLED.value}' THEN now() ELSE finished_at END
+UPDATE jobs SET status = $2::text, event_seq = event_seq + 1, updated_at = now(),
+    finished_at = CASE WHEN $2::text = '{JobStatus.CANCELLED.value}' THEN now() ELSE finished_at END
 WHERE id = $1 RETURNING event_seq"""
 
 
