@@ -105,7 +105,7 @@ def body(code: ErrorCode, message: str, field: str | None = None, details: Any =
     err: dict[str, Any] = {"code": code.value, "message": message, "field": field}
     if details is not None:
         err["details"] = details
-    return {"error": err}
+    return dict(error=err)
 
 
 def error_response(status: int, code: ErrorCode, message: str, field: str | None = None,
@@ -130,7 +130,8 @@ def _message(e: dict[str, Any]) -> str:
     if kind == "extra_forbidden":
         return "is not a known field"
     if kind == "json_invalid":
-        return f"is not valid JSON: {(e.get('ctx') or {}).get('error', 'decode error')}"
+        # Its context holds one entry: the decoder's message.
+        return f"is not valid JSON: {next(iter((e.get('ctx') or {}).values()), 'decode error')}"
     if kind == "int_parsing" and str(e.get("input")).endswith(", not an integer)"):
         # A boolean or string for an integer, as contract.spec.refuse_lax_integers marked it.
         return f"must be an integer, got {str(e.get('input')).rsplit(' (', 1)[0]}"

@@ -99,7 +99,7 @@ class KeyAuth:
             await error_response(403, ErrorCode.FORBIDDEN, f"this needs the scope {needed!r}; the key has "
                                  f"{', '.join(sorted(caller.scopes)) or 'none'}", "scope")(scope, receive, send)
             return
-        scope.setdefault("state", {})["caller"] = caller
+        Request(scope).state.caller = caller  # the request's state: scope["state"], made where missing
         await self.app(scope, receive, send)
 
 

@@ -36,6 +36,10 @@ class ApiSettings(StoreSettings):
     # How long an Idempotency-Key's answer is kept (at least a day: clients retry across a night's outage).
     idempotency_hours: float = 24.0
     auto_micro_batch_tokens: int = 16384
+    # How long after a node's heartbeat key expired it counts as lost (GET /nodes, a dry run's placement). The
+    # control plane reads the same FT_LEASE_GRACE_SECONDS (controlplane/settings.py); it belongs in
+    # core.settings.StoreSettings, where both would share one declaration.
+    lease_grace_seconds: float = 3.0
     # Connections each API process keeps for its asynchronous reads and writes (db/pool.py).
     api_db_pool_size: int = 10
 

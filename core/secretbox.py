@@ -5,13 +5,13 @@ every delivery computes an HMAC with it. So it is encrypted with a key Postgres 
 table (a backup, a replica, a leaked dump) learns nothing of it without `FT_SECRETS_KEY` too.
 
 `FT_SECRETS_KEY` is a comma-separated list of keys, each 32 random bytes in URL-safe base64
-(`python -m core.secretbox new-key` prints one). The first seals; all of them open. A sealed value is
+(`python -m api.secrets new-key` prints one). The first seals; all of them open. A sealed value is
 `v1:<key id>:<base64 of nonce and ciphertext>`: the key id (a digest of the key, not the key) says which key
 sealed it, so a value no configured key opens is named as such instead of failing as "corrupt". The
 associated data binds a value to its row (the owner), so a sealed secret copied onto another owner's row
 does not open.
 
-Rotation: put the new key first and keep the old one after it, restart, run `python -m core.secretbox rotate`
+Rotation: put the new key first and keep the old one after it, restart, run `python -m api.secrets rotate`
 (re-seals every stored secret under the first key), then drop the old key and restart again.
 
 In development (FT_ENV=development) an unset key means a fixed development key, with a warning: the tests and
@@ -26,16 +26,13 @@ import binascii
 import hashlib
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-if TYPE_CHECKING:
-    from core.settings import StoreSettings
+from pydantic import SecretStr
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +73,11 @@ def parse_keys(text: str) -> list[bytes]:
             key = b""
         if len(key) != KEY_BYTES:
             raise KeyProblem(f"{SETTING}: key {i + 1} of the list is not {KEY_BYTES} bytes in URL-safe base64; "
-                             "make one with `python -m core.secretbox new-key`")
+                             "make one with `python -m api.secrets new-key`")
         keys.append(key)
     if not keys:
         raise KeyProblem(f"{SETTING} is not set; outside development (FT_ENV=development) the service needs it to "
-                         "encrypt webhook secrets. Make one with `python -m core.secretbox new-key`")
+                         "encrypt webhook secrets. Make one with `python -m api.secrets new-key`")
     return keys
 
 
@@ -92,7 +89,7 @@ def check_setting(text: str, *, development: bool) -> None:
     keys = parse_keys(text)
     if not development and keys[0] == parse_keys(DEVELOPMENT_KEY)[0]:
         raise KeyProblem(f"{SETTING}: its first key is the public development key, which encrypts nothing outside "
-                         "development; put a key of your own first (`python -m core.secretbox new-key`)")
+                         "development; put a key of your own first (`python -m api.secrets new-key`)")
 
 
 class Keyring:
@@ -113,7 +110,7 @@ class Keyring:
         version, kid, body = (stored.split(":", 2) + ["", ""])[:3]
         if version != VERSION or not body:
             raise Unreadable("the stored value is not an encrypted secret (run the migrations, or "
-                             "`python -m core.secretbox rotate` to encrypt values written by an older version)")
+                             "`python -m api.secrets rotate` to encrypt values written by an older version)")
         cipher = self._ciphers.get(kid)
         if cipher is None:
             raise Unreadable(f"it was encrypted with key {kid}, which {SETTING} does not hold (it holds "
@@ -138,7 +135,14 @@ def _keyring(text: str, development: bool) -> Keyring:
     return Keyring(parse_keys(text))
 
 
-def keyring(settings: StoreSettings) -> Keyring:
+class KeySettings(Protocol):
+    """What a keyring is made from: core.settings.StoreSettings (not imported: it imports this module)."""
+
+    secrets_key: SecretStr
+    development: bool
+
+
+def keyring(settings: KeySettings) -> Keyring:
     return _keyring(settings.secrets_key.get_secret_value(), settings.development)
 
 
@@ -147,29 +151,3 @@ WEBHOOK_CONTEXT = "webhook_owners.secret:"
 
 def webhook_context(owner: str) -> str:
     return WEBHOOK_CONTEXT + owner
-
-
-def main(argv: list[str]) -> int:
-    if argv == ["new-key"]:
-        print(new_key())
-        return 0
-    if argv == ["rotate"]:
-        from api.settings import get_settings
-        from db.webhooks import reseal_all
-
-        settings = get_settings()
-        changed, total, unreadable = reseal_all(settings)
-        print(f"{changed} of {total} webhook secrets re-encrypted with key {keyring(settings).sealing_id}")
-        for owner, why in unreadable.items():
-            print(f"owner {owner!r}: its webhook secret cannot be decrypted: {why}", file=sys.stderr)
-        if unreadable:
-            print(f"{len(unreadable)} secrets were left as they are; keep the old keys in {SETTING} until they "
-                  "are re-encrypted, or have those owners rotate their secrets", file=sys.stderr)
-            return 1
-        return 0
-    print("usage: python -m core.secretbox new-key | rotate", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

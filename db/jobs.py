@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,22 +50,38 @@ INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$9"), job_js
 INSERT_UNCOUNTED = INSERT_JOB.format(usage=NO_USAGE, job_json=reads.JOB_JSON)
 
 
-async def submit(*, job: dict[str, Any], actor: dict[str, str | None], defaults: quotas.Limits,
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A submit's row as the API resolved it; `gpus` is what a quota counts (every GPU of every node)."""
+
+    id: str
+    name: str
+    owner: str
+    queue: str
+    gpus: int
+    priority: int
+    request: dict[str, Any]
+    resolved: dict[str, Any]
+    job_dir: str
+    progress: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.Limits,
                  idempotency_key: str | None = None, request_hash: bytes = b"",
                  keep_hours: float = 24.0) -> tuple[int, bytes]:
-    """Insert the job (id, name, queue, request, resolved, job_dir, progress, metadata, owner, gpus, priority)
-    within its owner's quota (QuotaExceeded otherwise), with its first event and audit entry. Returns the status
-    and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the first answer."""
-    owner, gpus = job["owner"], job["gpus"]
-    args: list[Any] = [
-        job["id"], job["name"], job["queue"], jsonw.dumps(job["request"]), jsonw.dumps(job["resolved"]),
-        job["job_dir"], jsonw.dumps(job["progress"]), jsonw.dumps(job["metadata"]), owner, gpus]
+    """Insert the job within its owner's quota (QuotaExceeded otherwise), with its first event and audit entry.
+    Returns the status and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the
+    first answer."""
+    owner, gpus = job.owner, job.gpus
+    args: list[Any] = [job.id, job.name, job.queue, jsonw.dumps(job.request), jsonw.dumps(job.resolved), job.job_dir,
+                       jsonw.dumps(job.progress), jsonw.dumps(job.metadata), owner, gpus]
     # After the quota limits ($11, $12): who submits ($13, $14), the priority the scheduler orders by ($15) and
     # the first event's delivery ($16 to $21).
-    view = SimpleNamespace(id=job["id"], name=job["name"], owner=owner, queue=job["queue"], status=JobStatus.QUEUED,
-                           attempt=1, request=job["request"], error=None, output=None, event_seq=1)
+    view = SimpleNamespace(id=job.id, name=job.name, owner=owner, queue=job.queue, status=JobStatus.QUEUED,
+                           attempt=1, request=job.request, error=None, output=None, event_seq=1)
     first = {"status": JobStatus.QUEUED, "actor": actor}
-    tail = [jsonw.dumps(actor), actor["key_id"], job["priority"]]
+    tail = [jsonw.dumps(actor), actor["key_id"], job.priority]
     try:
         async with (await pg.pool()).acquire() as conn:
             if idempotency_key is None and defaults == (None, None) and not await quotas.has_row(conn, owner):
@@ -84,7 +101,7 @@ async def submit(*, job: dict[str, Any], actor: dict[str, str | None], defaults:
                 if body is None:
                     raise QuotaExceeded(owner, limits, (jobs, used_gpus), gpus)
                 if idempotency_key is not None:
-                    await idempotency.remember(conn, owner=owner, key=idempotency_key, job_id=job["id"], status=201,
+                    await idempotency.remember(conn, owner=owner, key=idempotency_key, job_id=job.id, status=201,
                                                body=body)
         return 201, body.encode()
     except idempotency.Replay as replay:
@@ -103,7 +120,8 @@ async def _first_delivery(conn: Any, view: SimpleNamespace, data: dict[str, Any]
     return webhooks.delivery(view, EventKind.STATE, data, 1, lambda: url) or webhooks.NO_DELIVERY
 
 
-LOCK_COLUMNS = "id, name, owner, queue, status, attempt, request::text, error::text, output::text, event_seq"
+LOCK_COLUMNS = ("id, name, owner, queue, status, attempt, request::text AS request_json, error::text AS error_json, "
+                "output::text AS output_json, event_seq")
 LOCK = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 FOR UPDATE"
 LOCK_FOR_OWNER = f"SELECT {LOCK_COLUMNS} FROM jobs WHERE id = $1 AND owner = $2 FOR UPDATE"
 SET_STATUS = f"""
@@ -140,8 +158,8 @@ async def cancel(*, job_id: str, owner: str | None, actor: dict[str, str | None]
                 status, data = JobStatus.CANCELLING, {"status": JobStatus.CANCELLING, "actor": actor}
             seq = await conn.fetchval(SET_STATUS, job_id, status.value)
             job = SimpleNamespace(id=row["id"], name=row["name"], owner=row["owner"], queue=row["queue"],
-                                  status=status.value, attempt=row["attempt"], request=_loads(row["request"]),
-                                  error=_loads(row["error"]), output=_loads(row["output"]), event_seq=seq)
+                                  status=status.value, attempt=row["attempt"], request=_loads(row["request_json"]),
+                                  error=_loads(row["error_json"]), output=_loads(row["output_json"]), event_seq=seq)
             await events.append_async(conn, job, EventKind.STATE, data)
             await audit.record(conn, actor, "job.cancel", job_id, {"owner": row["owner"], "status_before": before})
     except pg.UNREACHABLE as exc:

@@ -67,13 +67,17 @@ def event_type(job: JobView, kind: str, data: dict[str, Any]) -> str | None:
     return None
 
 
+# Where a failed state event's data holds the error: the field is spelled as the event kind is.
+ERROR_FIELD = EventKind.ERROR.value
+
+
 def _details(job: JobView, event: str, data: dict[str, Any]) -> dict[str, Any]:
     """What the receiver needs of the event; the job's full record is one `GET /jobs/{id}` away."""
     if event == "job.checkpoint":
         return {"step": data.get("step"), "path": data.get("path")}
     if event == "job.failed":
-        error = job.error or data.get("error") or {}
-        return {"error": {"code": error.get("code"), "message": error.get("message")}}
+        error = job.error or data.get(ERROR_FIELD) or {}
+        return dict(error={"code": error.get("code"), "message": error.get("message")})
     if event == "job.succeeded":
         return {"output": job.output}
     if event in ("job.cancelled", "job.requeued"):

@@ -60,8 +60,8 @@ def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal, nodes: l
     use or idempotency record. `nodes`: the cluster as GET /nodes shows it."""
     request, resolved = prepare(settings=settings, spec=spec)
     r = resolved.spec.resources
-    job = {"name": spec.name, "owner": caller.owner, "queue": spec.resources.queue,
-           "gpus": r.num_gpus * r.num_nodes, "request": request, "resolved": resolved.model_dump(mode="json")}
+    job = dict(name=spec.name, owner=caller.owner, queue=spec.resources.queue, gpus=r.num_gpus * r.num_nodes,
+               request=request, resolved=resolved.model_dump(mode="json"))
     found = estimate(resolved)
     return DryRun(owner=caller.owner, job=job, estimate=found,
                   placement=placement(nodes, r.queue, r.num_nodes, r.num_gpus, found.gpu_bytes_per_device))
@@ -76,12 +76,12 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
     request, resolved = prepare(settings=settings, spec=spec)
     job_id = new_id()
     resources = resolved.spec.resources
-    job = {"id": job_id, "name": spec.name, "queue": spec.resources.queue, "request": request,
-           "resolved": resolved.model_dump(mode="json"),
-           "job_dir": str(root_path(settings.artifacts_root) / "jobs" / job_id),
-           "progress": {"step": 0, "total_steps": spec.hyperparameters.max_steps}, "metadata": spec.metadata,
-           # What a quota counts: every GPU of the job, on all its nodes.
-           "owner": caller.owner, "gpus": resources.num_gpus * resources.num_nodes, "priority": resources.priority}
+    job = store.NewJob(id=job_id, name=spec.name, queue=spec.resources.queue, request=request,
+                       resolved=resolved.model_dump(mode="json"),
+                       job_dir=str(root_path(settings.artifacts_root) / "jobs" / job_id),
+                       progress={"step": 0, "total_steps": spec.hyperparameters.max_steps}, metadata=spec.metadata,
+                       # What a quota counts: every GPU of the job, on all its nodes.
+                       owner=caller.owner, gpus=resources.num_gpus * resources.num_nodes, priority=resources.priority)
     return await store.submit(
         job=job, actor=caller.actor(), defaults=quota_defaults(settings),
         idempotency_key=idempotency_key, keep_hours=settings.idempotency_hours,
