@@ -108,6 +108,20 @@ class ApiProcess:
         return self.log_path.read_text(errors="replace")
 
 
+@contextmanager
+def api_client(database: str, key: str, base: Path, **env: str) -> Iterator[httpx.Client]:
+    """A production-mode API process of its own (keys required) on `database`, with the job roots under `base`
+    (make_roots), and a client that sends `key`. Its log must show no unhandled error when it stops."""
+    api = ApiProcess({"FT_DATABASE_URL": database, "FT_ENV": "production", **make_roots(base), **env},
+                     base / "api.log").start()
+    try:
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+            yield c
+    finally:
+        api.stop()
+    assert "unhandled error" not in api.log(), api.log()[-3000:]
+
+
 class TcpProxy:
     """Forwards a local port to an upstream port. `cut()` drops every connection and refuses new ones, as a
     restarting Postgres does; `restore()` listens again on the same port."""

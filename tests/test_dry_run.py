@@ -14,7 +14,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_roots
+from tests.apiproc import add_key, api_client, fixed_key, fresh_database, make_roots
 
 KEY = fixed_key("dryrunadmin")
 # The Llama-3.2-1B shape: 1,235,814,400 parameters with its tied embeddings.
@@ -33,15 +33,10 @@ def database() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def client(database: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     base = tmp_path_factory.mktemp("dryrun")
-    roots = make_roots(base)
+    make_roots(base)
     (base / "models" / "tiny" / "config.json").write_text(json.dumps(LLAMA_1B))
-    api = ApiProcess({"FT_DATABASE_URL": database, "FT_ENV": "production", **roots}, base / "api.log").start()
-    try:
-        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
-            yield c
-    finally:
-        api.stop()
-    assert "unhandled error" not in api.log(), api.log()[-3000:]
+    with api_client(database, KEY, base) as c:
+        yield c
 
 
 def counts(database: str) -> dict[str, int]:

@@ -30,11 +30,11 @@ import pytest
 from pydantic import ValidationError
 
 from api.services.estimate import estimate
-from api.services.jobs import to_json
 from contract.deepspeed import fields, policy, resolve
 from contract.problems import SpecError
 from contract.spec import JobSpec
-from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_roots
+from db import jsonw
+from tests.apiproc import add_key, api_client, fixed_key, fresh_database
 
 KEY = fixed_key("dsfuzz")
 QUEUE = "dsfuzz-parked"  # no worker serves it: submitted jobs stay queued
@@ -203,8 +203,8 @@ def in_process(config: Any) -> bool:
             assert _names_a_field(e.field) and e.message, e
         return False
     # What an accepted submit does next: store the request and the resolution as JSON, and a dry run estimates.
-    to_json(spec.model_dump(mode="json", exclude_unset=True))
-    json.loads(to_json(resolved.model_dump(mode="json")))
+    jsonw.dumps(spec.model_dump(mode="json", exclude_unset=True))
+    json.loads(jsonw.dumps(resolved.model_dump(mode="json")))
     estimate(resolved)
     for n in _numbers(resolved.deepspeed_config):
         assert -(2**63) <= n < 2**63 and math.isfinite(n), f"{n!r} rendered"
@@ -269,14 +269,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     base = tmp_path_factory.mktemp("dsfuzz")
     with fresh_database() as database:
         add_key(database, KEY, owner="dsfuzz-owner")
-        api = ApiProcess({"FT_DATABASE_URL": database, "FT_ENV": "production", "FT_QUOTA_MAX_ACTIVE_JOBS": "",
-                          **make_roots(base)}, base / "api.log").start()
-        try:
-            with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
-                yield c
-        finally:
-            api.stop()
-        assert "unhandled error" not in api.log(), api.log()[-3000:]
+        with api_client(database, KEY, base, FT_QUOTA_MAX_ACTIVE_JOBS="") as c:
+            yield c
 
 
 def _post(client: httpx.Client, config: Any, *, dry_run: bool) -> httpx.Response:
