@@ -21,7 +21,8 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import access
-from api.errors import ApiError, ErrorCode, error_response
+from api.errors import ErrorCode, error_response, from_db
+from db.errors import DbError
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ class KeyAuth:
             if scheme.lower() == b"bearer" and access.looks_like_a_key(given):
                 try:
                     caller = await access.CACHE.lookup(given)
-                except ApiError as exc:  # Postgres unreachable: the key cannot be checked
-                    await error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)(
+                except DbError as exc:  # Postgres unreachable: the key cannot be checked
+                    err = from_db(exc)
+                    await error_response(err.status, err.code, err.message, err.field, err.headers)(
                         scope, receive, send)
                     return
                 except Exception:  # outside the app's handlers: answered here, in the one error shape
