@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -71,21 +72,31 @@ def ensure_dev_key(path: Path = DEV_KEY) -> str:
     """The development stack's admin key (owner `default`), kept in var/dev-key (mode 600): reused while it
     still works in this database, made anew otherwise. This is how `make up` and `make demo` work without a
     manual step while the API requires a key like production does."""
-    from sqlalchemy import text
+    import asyncio
 
     from api import access
+    from api.settings import ApiSettings
     from db import keys
-    from db.engine import _factory
+    from db import pool as pg
 
-    with _factory()() as session:
-        if path.is_file():
-            key = path.read_text().strip()
-            if session.execute(text(
-                    "SELECT 1 FROM api_keys WHERE secret_hash = :h AND revoked_at IS NULL "
-                    "AND (expires_at IS NULL OR expires_at > now())"), {"h": access.digest(key.encode())}).first():
-                return key
-        _, key = keys.create(session=session, owner="default", scopes=["admin"],
-                             name="development (make up, make demo)", actor=None)
+    async def working_or_new() -> tuple[str, bool]:
+        pg.configure(database_url=ApiSettings().database_url, pool_size=1)
+        try:
+            if path.is_file():
+                key = path.read_text().strip()
+                found = await keys.lookup(access.digest(key.encode()))
+                if found is not None and (found["expires_at"] is None
+                                          or found["expires_at"] > datetime.now(timezone.utc)):
+                    return key, False
+            _, key = await access.create_key(owner="default", scopes=["admin"],
+                                             name="development (make up, make demo)", actor=None)
+            return key, True
+        finally:
+            await pg.close()
+
+    key, made = asyncio.run(working_or_new())
+    if not made:
+        return key
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)
     path.chmod(0o600)
