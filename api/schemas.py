@@ -6,7 +6,16 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictBool,
+    model_validator,
+)
 
 from contract import codes
 from contract.spec import JobSpec, WebhookUrl, refuse_lax_integers
@@ -76,6 +85,12 @@ class JobSummary(BaseModel):
 class Job(JobSummary):
     request: dict[str, Any] = Field(description="The request as sent")
     resolved: dict[str, Any] = Field(description="The full resolved request and the rendered DeepSpeed config")
+
+
+class DeepSpeedConfig(RootModel[dict[str, Any]]):
+    """The DeepSpeed JSON the service rendered for a job, as `deepspeed --deepspeed_config` takes it. What one
+    attempt's ranks received after their own changes (a measured micro batch, the NVMe swap folder) is in that
+    attempt's `attempts/N/ds_config.json` in the job's folder."""
 
 
 class JobList(BaseModel):

@@ -130,6 +130,7 @@ def every_job_route(c: httpx.Client, job_id: str) -> dict[str, httpx.Response]:
         "events SSE": c.get(f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream"}),
         "logs": c.get(f"/jobs/{job_id}/logs"),
         "logs follow": c.get(f"/jobs/{job_id}/logs", params={"follow": "true"}),
+        "deepspeed config": c.get(f"/jobs/{job_id}/deepspeed-config"),
         "cancel": c.post(f"/jobs/{job_id}/cancel"),
     }
     return out
@@ -163,6 +164,9 @@ def test_two_owners_cannot_see_or_touch_each_others_jobs(apis: list[ApiProcess],
             assert c.get(f"/jobs/{job['id']}").json()["status"] == "queued"
             assert c.get(f"/jobs/{job['id']}/events").status_code == 200
             assert c.get(f"/jobs/{job['id']}/logs").status_code == 200
+            rendered = c.get(f"/jobs/{job['id']}/deepspeed-config")
+            assert rendered.status_code == 200 and rendered.json() == job["resolved"]["deepspeed_config"]
+            assert rendered.json()["train_micro_batch_size_per_gpu"] >= 1
         assert b.post(f"/jobs/{job_b['id']}/cancel").json()["status"] == "cancelled"
         sse = b.get(f"/jobs/{job_b['id']}/events", headers={"Accept": "text/event-stream"})
         assert sse.status_code == 200 and "event: state" in sse.text and "cancelled" in sse.text
@@ -179,7 +183,8 @@ def test_two_owners_cannot_see_or_touch_each_others_jobs(apis: list[ApiProcess],
 
 ROUTES: list[tuple[str, str, str]] = [  # method, path (JOB: a job of the caller's owner), scope it needs
     ("GET", "/jobs", "jobs:read"), ("GET", "/jobs/JOB", "jobs:read"), ("GET", "/jobs/JOB/events", "jobs:read"),
-    ("GET", "/jobs/JOB/logs", "jobs:read"), ("POST", "/jobs", "jobs:write"), ("POST", "/jobs/JOB/cancel", "jobs:write"),
+    ("GET", "/jobs/JOB/logs", "jobs:read"), ("GET", "/jobs/JOB/deepspeed-config", "jobs:read"),
+    ("POST", "/jobs", "jobs:write"), ("POST", "/jobs/JOB/cancel", "jobs:write"),
     ("GET", "/keys", "admin"), ("POST", "/keys", "admin"), ("DELETE", "/keys/key_nope", "admin"),
     ("PUT", "/owners/team-s/quota", "admin"), ("GET", "/owners/team-s/quota", "admin"), ("GET", "/audit", "admin"),
 ]

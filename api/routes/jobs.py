@@ -14,7 +14,7 @@ from api.access import Scope
 from api.deps import CallerDep, JobForCaller, JobId, RedisDep, SettingsDep, job_for_caller, owner_of, scoped
 from api.errors import ApiError, ErrorCode, responses
 from api.guards import StrictJSONRoute
-from api.schemas import EventPage, Job, JobCreate, JobList, JobStatus
+from api.schemas import DeepSpeedConfig, EventPage, Job, JobCreate, JobList, JobStatus
 from api.services import jobs as service
 from api.services import webhooks
 from api.services.estimate import DryRun
@@ -96,6 +96,13 @@ async def list_jobs(caller: CallerDep,
 @router.get("/{job_id}", response_model=Job, responses=responses(404), openapi_extra=READ)
 async def get_job(job: JobForCaller) -> Response:
     return JSONBytes(job)
+
+
+@router.get("/{job_id}/deepspeed-config", response_model=DeepSpeedConfig, responses=responses(404),
+            openapi_extra=READ)
+async def job_deepspeed_config(job: JobForCaller) -> Response:
+    """The DeepSpeed config rendered for the job, to read or to run by hand with the same settings."""
+    return JSONBytes(json.dumps(json.loads(job)["resolved"]["deepspeed_config"]).encode())
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409),
