@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from contract import codes
-from contract.spec import JobSpec, WebhookUrl, refuse_lax_integers
+from contract.spec import JobSpec, Shown, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
 
@@ -59,11 +59,14 @@ class NodePart(BaseModel):
     devices: list[str] = Field(description="The node's device ids (GPU ids, or CPU process slots)")
 
 
-class JobSummary(BaseModel):
-    """A job as lists show it: everything but the request and its resolution (read one job for those)."""
+class JobSummary(Shown):
+    """A job as lists show it: everything but the request and its resolution (read one job for those); the
+    request's own shown fields (name, metadata, ...) come from contract.spec.Shown."""
+
+    # A response, not input: the request's strictness does not describe it.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=True)
 
     id: str
-    name: str
     owner: str = Field(description="The owner of the key that submitted it")
     status: JobStatus
     attempt: int
@@ -75,7 +78,6 @@ class JobSummary(BaseModel):
     finished_at: datetime | None
     checkpoints: list[Checkpoint]
     output: dict[str, Any] | None = Field(description="Where the exported model is, once the job succeeded")
-    metadata: dict[str, Any]
     placement: list[NodePart] | None = Field(default=None, description=(
         "Where the current attempt was placed, one entry per node; null while it waits"))
     queued_reason: str | None = Field(default=None, description=(

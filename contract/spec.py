@@ -401,10 +401,21 @@ def _or_model_name(schema: dict[str, Any]) -> None:
                               "description": "The same as {\"name_or_path\": ...}"}]
 
 
-class JobSpec(_Strict):
-    """What a client sends in `POST /jobs` (and what `python -m trainer` runs from)."""
+class Shown(_Strict):
+    """The fields of a request that every job response shows as they were sent: api/schemas.py's JobSummary takes
+    them from here, and db/reads.py's SUMMARY_FIELDS names their columns (CONTRIBUTING.md)."""
 
     name: Text = Field(default="", max_length=200)
+    metadata: Metadata = Field(
+        default_factory=dict,
+        description=f"Free-form JSON object kept with the job: at most {METADATA_MAX_BYTES} bytes of JSON, nested at "
+                    f"most {METADATA_MAX_DEPTH} levels, at most {METADATA_MAX_KEYS} keys per object, keys at most "
+                    f"{METADATA_MAX_KEY_CHARS} characters, no NUL characters")
+
+
+class JobSpec(Shown):
+    """What a client sends in `POST /jobs` (and what `python -m trainer` runs from)."""
+
     model: ModelSpec = Field(json_schema_extra=_or_model_name)
     data: DataSpec
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
@@ -413,11 +424,6 @@ class JobSpec(_Strict):
     checkpointing: Checkpointing = Field(default_factory=Checkpointing)
     lora: LoraSpec | None = None
     notifications: Notifications | None = None
-    metadata: Metadata = Field(
-        default_factory=dict,
-        description=f"Free-form JSON object kept with the job: at most {METADATA_MAX_BYTES} bytes of JSON, nested at "
-                    f"most {METADATA_MAX_DEPTH} levels, at most {METADATA_MAX_KEYS} keys per object, keys at most "
-                    f"{METADATA_MAX_KEY_CHARS} characters, no NUL characters")
 
     @field_validator("model", mode="before")
     @classmethod
