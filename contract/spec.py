@@ -406,6 +406,8 @@ class Shown(_Strict):
     them from here, and db/reads.py's SUMMARY_FIELDS names their columns (CONTRIBUTING.md)."""
 
     name: Text = Field(default="", max_length=200)
+    description: Text | None = Field(default=None, max_length=2000, description=(
+        "What the job is for, in a sentence or a paragraph: shown with the job in every response and list"))
     metadata: Metadata = Field(
         default_factory=dict,
         description=f"Free-form JSON object kept with the job: at most {METADATA_MAX_BYTES} bytes of JSON, nested at "

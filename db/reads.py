@@ -23,7 +23,8 @@ PROGRESS_DEFAULTS = ('\'{"step": 0, "total_steps": null, "epoch": null, "loss": 
 SUMMARY_FIELDS = (f"'id', id, 'name', name, 'owner', owner, 'status', status, 'attempt', attempt, 'queue', queue, "
                   f"'progress', {PROGRESS_DEFAULTS} || progress, 'error', error, 'created_at', created_at, "
                   "'started_at', started_at, 'finished_at', finished_at, 'checkpoints', checkpoints, "
-                  "'output', output, 'metadata', metadata, 'placement', placement, 'queued_reason', "
+                  "'output', output, 'description', description, "
+                  "'metadata', metadata, 'placement', placement, 'queued_reason', "
                   f"CASE WHEN status = '{JobStatus.QUEUED.value}' THEN queued_reason END")
 JOB_JSON = f"json_build_object({SUMMARY_FIELDS}, 'request', request, 'resolved', resolved)::text"
 SUMMARY_JSON = f"json_build_object({SUMMARY_FIELDS})::text"

@@ -186,3 +186,18 @@ def test_example_job_file_is_accepted(api: httpx.Client, roots: dict[str, Path])
     r = api.post("/jobs", json=job)
     assert r.status_code == 201, r.text
     api.post(f"/jobs/{r.json()['id']}/cancel")
+
+
+def test_a_description_is_shown_with_the_job_in_reads_and_lists(api: httpx.Client, make_job: Any) -> None:
+    about = "Continued pre-training on the support corpus — try 2, longer warm-up"
+    made = api.post("/jobs", json=make_job(name="described", description=about, resources=PARKED))
+    assert made.status_code == 201 and made.json()["description"] == about
+    plain = api.post("/jobs", json=make_job(name="plain", resources=PARKED)).json()
+    assert plain["description"] is None
+    listed = {j["id"]: j for j in api.get("/jobs", params={"queue": "parked", "limit": 200}).json()["data"]}
+    assert listed[made.json()["id"]]["description"] == about and listed[plain["id"]]["description"] is None
+    assert api.get(f"/jobs/{made.json()['id']}").json()["description"] == about
+    assert_error(api.post("/jobs", json=make_job(description="x" * 2001, resources=PARKED)), 422, "description")
+    assert_error(api.post("/jobs", json=make_job(description=7, resources=PARKED)), 422, "description")
+    for job_id in (made.json()["id"], plain["id"]):
+        api.post(f"/jobs/{job_id}/cancel")
