@@ -36,13 +36,6 @@ def new_id() -> str:
     return "job_" + secrets.token_hex(10)
 
 
-def _patch_nvme(ds_config: dict[str, Any], nvme_path: str | None) -> None:
-    for key in ("offload_optimizer", "offload_param"):
-        block = ds_config.get("zero_optimization", {}).get(key)
-        if block and block.get("device") == "nvme":
-            block["nvme_path"] = nvme_path
-
-
 def prepare(*, settings: ApiSettings, spec: JobSpec) -> tuple[dict[str, Any], ResolvedJob]:
     """What a submit checks and resolves (and a dry run, through the same function, so both refuse alike): the
     request as sent and its resolution, or a 422 naming every bad field."""
@@ -51,7 +44,6 @@ def prepare(*, settings: ApiSettings, spec: JobSpec) -> tuple[dict[str, Any], Re
     errors = check_locations(resolved.spec, settings)
     if errors:
         raise invalid(errors)
-    _patch_nvme(resolved.deepspeed_config, resolved.spec.deepspeed.nvme_path)
     return request, resolved
 
 
