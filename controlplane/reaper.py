@@ -13,15 +13,12 @@ import json
 import logging
 import secrets
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
-from sqlalchemy import and_, func, or_, select
-from sqlalchemy.orm import Session
 
-from api.services.jobs import CANCEL_KEY_TTL, now
-from contract.codes import ACTIVE_STATUSES, EventKind, FailureCode, JobStatus
+from contract.codes import JobStatus
 from contract.protocol import (
     EVENTS_STREAM,
     INGEST_GROUP,
@@ -32,9 +29,9 @@ from contract.protocol import (
     released_key,
 )
 from controlplane.settings import ControlPlaneSettings
-from db import events
+from core.lifetimes import CANCEL_KEY_TTL
+from db import attempts
 from db.engine import session_scope
-from db.models import Job, JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +41,6 @@ DATASET_KEY = "ft:controlplane:dataset"
 # How long after a loss queued jobs are still looked at: a dispatcher that had sent a task just before the
 # loss may commit its dispatched_at only a little later.
 REDRIVE_WINDOW_SECONDS = 60.0
-# A job committed but not marked sent may be in the dispatcher's hands right now: leave it alone this long.
-UNSENT_GRACE_SECONDS = 5
 
 
 class RedisLossWatch:
@@ -91,7 +86,7 @@ class Reaper:
         """Redis restarted empty: every queued task message, lease and claim key is gone."""
         log.warning("Redis lost its data: re-driving queued jobs; running ones keep their worker if it "
                     "re-creates its lease within %.0f s", self.settings.lease_ttl_seconds)
-        self.lost_at, self.lost_mono, self.lost_at_db = now(), time.monotonic(), None
+        self.lost_at, self.lost_mono, self.lost_at_db = datetime.now(timezone.utc), time.monotonic(), None
         self.redrive_deadline = None
         self.redriven = set()
         self.missing_since.clear()
@@ -106,11 +101,9 @@ class Reaper:
             self.missing_since.clear()
         acted = self._redrive()
         with session_scope() as session:
-            # The columns it needs, of the jobs a worker holds: a pass must not grow with the queue (a
-            # queue of 100,000 jobs cost a pass seconds). Queued jobs need no keys re-asserted: their
-            # attempt key is set when they are sent, and after a Redis data loss they are re-sent.
-            active = list(session.execute(select(Job.id, Job.attempt, Job.status, Job.placement)
-                                          .where(Job.status.in_(ACTIVE_STATUSES))))
+            # The jobs a worker holds. Queued jobs need no keys re-asserted: their attempt key is set when
+            # they are sent, and after a Redis data loss they are re-sent.
+            active = attempts.active(session)
             pipe = self.r.pipeline(transaction=False)
             for job in active:
                 pipe.set(attempt_key(job.id), job.attempt)
@@ -159,39 +152,10 @@ class Reaper:
     def _lost(self, job_id: str, attempt: int, released: dict[str, Any] | None = None) -> bool:
         """Requeue (or end) the attempt; `released` is what a worker that handed the job back said."""
         with session_scope() as session:
-            job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-            if job.attempt != attempt or job.status not in ACTIVE_STATUSES:
-                return False  # it moved on while we looked
-            if job.status == JobStatus.CANCELLING:
-                job.status, job.finished_at = JobStatus.CANCELLED, now()
-                events.append(session, job, EventKind.STATE,
-                              {"status": JobStatus.CANCELLED, "reason": "worker lost while cancelling"})
-                return True
-            # Workers lost, not attempt numbers: a re-drive after a Redis data loss also takes a new attempt.
-            losses = (0 if released is not None else 1) + _losses(session, job_id)
-            if released is None and losses >= self.settings.max_attempts:
-                job.status, job.finished_at = JobStatus.FAILED, now()
-                job.error = {"code": FailureCode.WORKER_LOST,
-                             "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
-                                        f"{self.settings.max_attempts} allowed attempts lost their worker"}
-                events.append(session, job, EventKind.STATE, {"status": JobStatus.FAILED, "error": job.error})
-                return True
-            if released is not None:
-                events.append(session, job, EventKind.STATE, {"status": "released", **released})
-                why = "requeued after its worker shut down"
-            else:
-                events.append(session, job, EventKind.STATE,
-                              {"status": "lost", "reason": "worker stopped heartbeating"})
-                why = "requeued after worker loss"
-            job.attempt = attempt + 1
-            job.status = JobStatus.QUEUED
-            job.dispatched_at = None
-            # Its slots are free (its ranks are gone by now): the scheduler places the next attempt afresh.
-            job.placement = None
-            events.append(session, job, EventKind.STATE,
-                          {"status": JobStatus.QUEUED, "reason": why, "previous_attempt": attempt})
-            log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, why, attempt + 1)
-            return True
+            done = attempts.reap(session, job_id, attempt, max_attempts=self.settings.max_attempts, released=released)
+        if done is not None and done.status == JobStatus.QUEUED:
+            log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, done.reason, done.attempt)
+        return done is not None
 
     def _redrive(self) -> list[str]:
         """Re-send the queued jobs whose task messages were in the Redis that lost its data.
@@ -207,38 +171,17 @@ class Reaper:
             self.lost_at = None
             return []
         with session_scope() as session:
-            db_now = session.scalar(select(func.now()))
+            now_db = attempts.db_now(session)
             if self.lost_at_db is None:
-                self.lost_at_db = db_now - timedelta(seconds=time.monotonic() - self.lost_mono)
-            # Which task messages may have been in the lost data: those sent before the loss was noticed.
-            # The dispatcher sends, then commits dispatched_at (its clock, right after the send) and with it
-            # updated_at (the database's clock, after the send). Sending again a job whose message in
-            # fact survived costs one attempt number; missing one leaves it queued forever.
-            sent_before = and_(Job.dispatched_at.is_not(None),
-                               or_(Job.updated_at <= self.lost_at_db, Job.dispatched_at <= self.lost_at))
-            # Never marked sent: the send failed or the commit after it did. Once the dispatcher is surely
-            # done with it, a new attempt is safer than the same one, whose claim key may have gone with the data.
-            # A job the scheduler has not placed was never sent: it has nothing to lose.
-            unsent = and_(Job.dispatched_at.is_(None), Job.placement.is_not(None), Job.updated_at <= self.lost_at_db,
-                          Job.updated_at < db_now - timedelta(seconds=UNSENT_GRACE_SECONDS))
-            query = select(Job).where(Job.status == JobStatus.QUEUED, or_(sent_before, unsent))
-            if self.redriven:
-                query = query.where(Job.id.not_in(self.redriven))
-            jobs = list(session.scalars(query.order_by(Job.seq).with_for_update(skip_locked=True)))
-            for job in jobs:
-                previous = job.attempt
-                job.attempt = previous + 1
-                job.dispatched_at = None
-                events.append(session, job, EventKind.STATE, {
-                    "status": JobStatus.QUEUED, "previous_attempt": previous,
-                    "reason": "sent again: Redis lost its data, and the job's task message with it"})
-            session.commit()
-            self.redriven.update(job.id for job in jobs)
-            for job in jobs:
-                log.warning("job %s goes out again as attempt %d after Redis lost its data", job.id, job.attempt)
+                self.lost_at_db = now_db - timedelta(seconds=time.monotonic() - self.lost_mono)
+            sent = attempts.redrive(session, lost_at=self.lost_at, lost_at_db=self.lost_at_db, now_db=now_db,
+                                    skip=self.redriven)
+        self.redriven.update(job_id for job_id, _ in sent)
+        for job_id, attempt in sent:
+            log.warning("job %s goes out again as attempt %d after Redis lost its data", job_id, attempt)
         if self.redrive_deadline is None:
             self.redrive_deadline = time.monotonic() + REDRIVE_WINDOW_SECONDS
-        return [job.id for job in jobs]
+        return [job_id for job_id, _ in sent]
 
 
 def _stream_id(value: str | bytes) -> tuple[int, int]:
@@ -264,7 +207,3 @@ def ingested(client: redis.Redis, entry_id: str | None) -> bool:
     except redis.ResponseError:
         return True  # no stream: nothing was published that could still be ingested
 
-
-def _losses(session: Session, job_id: str) -> int:
-    return int(session.scalar(select(func.count()).select_from(JobEvent).where(
-        JobEvent.job_id == job_id, JobEvent.type == EventKind.STATE, JobEvent.data["status"].astext == "lost")) or 0)

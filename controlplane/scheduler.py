@@ -33,80 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from contract.codes import UNFINISHED_STATUSES, EventKind, JobStatus, sql_list
+from contract.codes import JobStatus
 from contract.protocol import NODES_SET, lease_key, node_key
 from controlplane.settings import ControlPlaneSettings
-from db import events
+from core import placement as rule
+from db import placement as store
 from db.engine import session_scope
-from db.models import Job
 
 log = logging.getLogger(__name__)
 
-LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))"
 PER_QUEUE = 50  # jobs of one queue looked at per pass: a long blocked queue must not hide the others
-
-UPSERT_NODE = text("""
-INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, first_seen, last_seen)
-VALUES (:name, :kind, :slots, CAST(:devices AS jsonb), :queues, :jobs_max, :draining, :worker, :addr, now(), now())
-ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, devices = EXCLUDED.devices,
-    queues = EXCLUDED.queues, jobs_max = EXCLUDED.jobs_max, draining = EXCLUDED.draining,
-    worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()""")
-NODES = text("""
-SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
-       last_seen < now() - make_interval(secs => :gone) AS gone FROM nodes ORDER BY name""")
-HELD = text(f"""
-SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
-WHERE placement IS NOT NULL AND status IN {sql_list(UNFINISHED_STATUSES)}""")
-# The waiting jobs a pass looks at, read through ix_jobs_waiting (queue, owner, priority DESC, seq) rather than
-# from every waiting row's JSON. Exact for the first :per_queue of each queue: an owner's job that is not among
-# the owner's first :per_queue by (priority, age) has that many jobs of its owner before it in the queue order
-# (higher priority, or equal priority and an earlier turn), so each owner's first :per_queue are all a pass
-# needs. The owners with waiting jobs are found by skipping through the same index, not by a scan.
-CANDIDATES = text("""
-WITH RECURSIVE owners AS (
-    -- Every (queue, owner) with waiting jobs, one index probe each: the next pair after the last one found.
-    (SELECT queue, owner FROM jobs WHERE status = 'queued' AND placement IS NULL ORDER BY queue, owner LIMIT 1)
-    UNION ALL
-    SELECT nxt.queue, nxt.owner FROM owners AS o CROSS JOIN LATERAL (
-        SELECT j.queue, j.owner FROM jobs AS j WHERE j.status = 'queued' AND j.placement IS NULL
-        AND (j.queue, j.owner) > (o.queue, o.owner) ORDER BY j.queue, j.owner LIMIT 1) AS nxt
-), q AS (
-    SELECT j.* FROM owners AS o CROSS JOIN LATERAL (
-        SELECT id, seq, attempt, owner, queue, queued_reason, priority,
-               coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
-               coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
-        FROM jobs WHERE status = 'queued' AND placement IS NULL AND queue = o.queue AND owner = o.owner
-        ORDER BY priority DESC, seq LIMIT :per_queue) AS j
-    WHERE o.queue = ANY(:queues)
-), served AS (
-    -- When each waiting owner last had a job sent on the queue: the owner served longest ago goes first.
-    SELECT j.owner, j.queue, max(j.dispatched_at) AS last FROM jobs AS j
-    WHERE j.dispatched_at IS NOT NULL AND (j.owner, j.queue) IN (SELECT DISTINCT owner, queue FROM q)
-    GROUP BY j.owner, j.queue
-), turns AS (
-    SELECT q.*, row_number() OVER (PARTITION BY q.queue, q.owner, q.priority ORDER BY q.seq) AS turn,
-           s.last AS owner_served FROM q LEFT JOIN served AS s USING (owner, queue)
-), ranked AS (
-    SELECT *, row_number() OVER (PARTITION BY queue ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq)
-           AS pos FROM turns
-)
-SELECT id, attempt, queue, per_node, num_nodes, queued_reason FROM ranked WHERE pos <= :per_queue
-ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq""")
-PLACE = text("""
-UPDATE jobs SET placement = CAST(:placement AS jsonb), queued_reason = NULL, dispatched_at = NULL,
-                updated_at = now()
-WHERE id = :id AND attempt = :attempt AND status = 'queued' AND placement IS NULL RETURNING id""")
-REASON = text("""
-UPDATE jobs SET queued_reason = :reason
-WHERE id = :id AND status = 'queued' AND placement IS NULL AND queued_reason IS DISTINCT FROM :reason""")
-# Jobs of queues no live node serves, in one statement: they are not looked at one by one.
-UNSERVED = text("""
-UPDATE jobs SET queued_reason = 'waiting for a node serving queue ' || queue || ': none is up'
-WHERE status = 'queued' AND placement IS NULL AND NOT (queue = ANY(:queues))
-  AND queued_reason IS DISTINCT FROM 'waiting for a node serving queue ' || queue || ': none is up'""")
 
 
 @dataclass
@@ -130,8 +68,14 @@ class NodeState:
     def free(self) -> list[str]:
         return [d for d in self.devices if d not in self.used]
 
+    @property
+    def free_now(self) -> int:
+        """The devices a new job can have here now (none at its job limit)."""
+        return rule.free_now(free=len(self.free), jobs=self.jobs, jobs_max=self.jobs_max)
+
     def fits(self, need: int) -> bool:
-        return self.usable and self.jobs < self.jobs_max and len(self.free) >= need
+        return rule.fits_now(usable=self.usable, free=len(self.free), jobs=self.jobs, jobs_max=self.jobs_max,
+                             need=need)
 
 
 def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
@@ -150,21 +94,6 @@ def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
     return out
 
 
-def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]:
-    """Upserts each announcement; returns the names as stored."""
-    names = set()
-    for a in announced:
-        name = str(a["name"])[:64]
-        names.add(name)
-        session.execute(UPSERT_NODE, {
-            "name": name, "kind": str(a.get("kind", "cpu"))[:32], "slots": int(a["slots"]),
-            "devices": json.dumps([str(d) for d in a.get("devices", [])]),
-            "queues": [str(q)[:64] for q in a.get("queues", [])], "jobs_max": int(a.get("jobs_max", 1)),
-            "draining": bool(a.get("draining")), "worker": str(a.get("worker", ""))[:200],
-            "addr": str(a.get("addr", "127.0.0.1"))[:200]})
-    return names
-
-
 def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) -> str:
     serving = [n for n in nodes if queue in n.queues and n.usable]
     if not serving:
@@ -175,7 +104,7 @@ def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) ->
         biggest = max(n.slots for n in serving)
         return (f"queue {queue} has {len(big_enough)} node(s) of at least {need} {kinds} slots (the largest has "
                 f"{biggest}); the job needs {count}: it waits for such nodes to join")
-    free = sorted((len(n.free) if n.jobs < n.jobs_max else 0 for n in serving), reverse=True)
+    free = sorted((n.free_now for n in serving), reverse=True)
     if count == 1:
         return f"waiting for {need} free {kinds} slots on queue {queue}; largest free: {free[0]}"
     return (f"waiting for {count} nodes with {need} free {kinds} slots each on queue {queue}; free slots of its "
@@ -191,16 +120,16 @@ class Scheduler:
         """One placement pass; returns how many jobs it placed (or took back from a lost node)."""
         announced = read_announcements(self.r)
         with session_scope() as session:
-            session.execute(text(LOCK))
+            store.lock(session)
             # Placed on only while announcing now. A node whose key expired is not lost yet (the grace covers a
             # blip of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job,
             # whose requeue would otherwise go straight back to the frozen node, costing the job an attempt.
-            announcing = refresh_nodes(session, announced)
+            announcing = store.refresh_nodes(session, announced)
             nodes = {row.name: NodeState(row.name, row.kind, row.slots, list(row.devices), list(row.queues),
                                          row.jobs_max, row.name in announcing and not row.draining, row.addr,
                                          bool(row.gone) or row.draining)
-                     for row in session.execute(NODES, {
-                         "gone": self.settings.lease_grace_seconds + self.settings.lease_ttl_seconds})}
+                     for row in store.nodes(session, gone_seconds=self.settings.lease_grace_seconds
+                                            + self.settings.lease_ttl_seconds)}
             changed = self._take_back(session, nodes)
             changed += self._place(session, nodes)
         return changed
@@ -208,7 +137,7 @@ class Scheduler:
     def _take_back(self, session: Session, nodes: dict[str, NodeState]) -> int:
         """Count the slots placed jobs hold; a job placed on a node that is lost or draining, and not
         started there (no lease), is put back in the queue as its next attempt."""
-        held = list(session.execute(HELD))
+        held = store.held(session)
         back = []
         for job in held:
             parts = job.placement or []
@@ -222,23 +151,19 @@ class Scheduler:
                     node.used.update(str(d) for d in p.get("devices", []))
                     node.jobs += 1
         for job_id, attempt, gone in back:
-            row = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
-            if row is None or row.attempt != attempt or row.status != JobStatus.QUEUED or row.placement is None:
+            reason = f"placed on {', '.join(gone)}, which is gone or draining before it started the job"
+            if not store.take_back(session, job_id, attempt, reason):
                 continue
-            row.placement, row.dispatched_at, row.attempt = None, None, attempt + 1
-            events.append(session, row, EventKind.STATE, {
-                "status": JobStatus.QUEUED, "previous_attempt": attempt,
-                "reason": f"placed on {', '.join(gone)}, which is gone or draining before it started the job"})
             log.warning("job %s: node %s gone before it started attempt %d; placing it again", job_id,
                         ", ".join(gone), attempt)
         return len(back)
 
     def _place(self, session: Session, nodes: dict[str, NodeState]) -> int:
         served = sorted({q for n in nodes.values() if n.usable for q in n.queues})
-        session.execute(UNSERVED, {"queues": served})
+        store.mark_unserved(session, served)
         placed = 0
         blocked_queues: set[str] = set()
-        for job in session.execute(CANDIDATES, {"queues": served, "per_queue": PER_QUEUE}).all():
+        for job in store.candidates(session, served, per_queue=PER_QUEUE):
             need, count = job.per_node, job.num_nodes
             fitting = [n for n in nodes.values() if job.queue in n.queues and n.reserved_by is None
                        and n.fits(need)]
@@ -250,12 +175,11 @@ class Scheduler:
                     blocked_queues.add(job.queue)
                     self._reserve(job.id, job.queue, need, count, nodes)
                 if reason != job.queued_reason:
-                    session.execute(REASON, {"id": job.id, "reason": reason})
+                    store.set_reason(session, job.id, reason)
                 continue
             chosen = sorted(fitting, key=lambda n: (len(n.free), n.name))[:count]  # best fit; node rank 0 first
             placement = [{"node": n.name, "kind": n.kind, "devices": n.free[:need], "addr": n.addr} for n in chosen]
-            if session.execute(PLACE, {"id": job.id, "attempt": job.attempt,
-                                       "placement": json.dumps(placement)}).first() is None:
+            if not store.place(session, job.id, job.attempt, placement):
                 continue  # cancelled or requeued meanwhile: it holds nothing
             for n, part in zip(chosen, placement, strict=True):
                 n.used.update(part["devices"])

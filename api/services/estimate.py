@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from contract.spec import ResolvedJob
+from core import placement as rule
 
 GiB = 2**30
 # CUDA context, NCCL and DeepSpeed's communication buckets: what a rank holds beyond its tensors.
@@ -176,31 +177,32 @@ class DryRun(BaseModel):
 
 def placement(nodes: list[dict[str, Any]], queue: str, num_nodes: int, slots: int,
               gpu_per_device: int | None) -> Placement:
-    """The job's share (`slots` devices on each of `num_nodes` nodes) against each node of GET /nodes."""
+    """The job's share (`slots` devices on each of `num_nodes` nodes) against each node of GET /nodes, by the rule
+    the scheduler places by (core/placement.py): a node at its job limit has no slot free now."""
     kinds = {k.name: k for k in NODE_KINDS if k.gpus}
-    out = []
+    out, available = [], {}
     for n in nodes:
         reasons = []
         if n["state"] == "lost":
             reasons.append("the node stopped heartbeating (lost): it receives nothing")
-        if queue not in n["queues"]:
-            reasons.append(f"it serves {', '.join(n['queues'])}, not resources.queue {queue!r}")
-        if slots > n["slots_total"]:
-            reasons.append(f"resources.num_gpus is {slots}; the node has {n['slots_total']} slots")
+        reasons += rule.why_never(queues=n["queues"], slots=n["slots_total"], queue=queue, need=slots)
         known = kinds.get(n["kind"])
         if known is not None and gpu_per_device is not None and gpu_per_device > known.gpu_bytes:
             reasons.append(f"GPU memory: needs {gpu_per_device / GiB:.1f} GiB per device, a {n['kind']} has "
                            f"{known.gpu_bytes / GiB:.1f}")
         fits = not reasons
+        jobs, jobs_max = len(n.get("jobs") or []), n["jobs_max"]
+        available[n["name"]] = rule.free_now(free=n["slots_free"], jobs=jobs, jobs_max=jobs_max)
         out.append(NodeFit(node=n["name"], kind=n["kind"], state=n["state"], slots_total=n["slots_total"],
                            slots_free=n["slots_free"], fits=fits, reasons=reasons,
-                           free_now=fits and n["state"] == "up" and n["slots_free"] >= slots))
+                           free_now=fits and rule.fits_now(usable=n["state"] == "up", free=n["slots_free"],
+                                                           jobs=jobs, jobs_max=jobs_max, need=slots)))
     able, free = sum(f.fits for f in out), sum(f.free_now for f in out)
     if able < num_nodes:
         summary = (f"no placement: {able} node(s) of queue {queue!r} can take {slots} slot(s) each, the job needs "
                    f"{num_nodes}; it would wait in queued until such nodes join")
     elif free < num_nodes:
-        largest = max((f.slots_free for f in out if f.fits), default=0)
+        largest = max((available[f.node] for f in out if f.fits), default=0)
         summary = (f"would wait for {slots} free slot(s) on {num_nodes} node(s) of queue {queue!r}; "
                    f"largest free now: {largest}")
     else:
