@@ -1,11 +1,12 @@
 """Sends the webhook outbox (`webhook_deliveries`): a thread of the control plane with its own event loop.
 
-Like the dispatcher (controlplane/dispatcher.py) it wakes on a notification (`ft_webhooks`, a trigger on insert) and
-looks anyway every POLL_SECONDS. A pass claims due rows with FOR UPDATE SKIP LOCKED and commits the claim
-(attempt counted, the row leased until the delivery's deadline has passed) before any request is sent, so no
-transaction stays open while a receiver thinks, and a control plane that dies mid-send retries the row once
-its lease ends. Each claimed row is sent by a task of its own with an asynchronous HTTP client and one deadline
-for the whole request; its outcome is written in a short transaction of its own.
+Like the dispatcher (controlplane/dispatcher.py) it wakes on a notification (`ft_webhooks`, a trigger on insert;
+the control plane's one LISTEN loop, db/notify.py, hands it over) and looks anyway every POLL_SECONDS. A pass
+claims due rows with FOR UPDATE SKIP LOCKED and commits the claim (attempt counted, the row leased until the
+delivery's deadline has passed; db/deliveries.py) before any request is sent, so no transaction stays open while
+a receiver thinks, and a control plane that dies mid-send retries the row once its lease ends. Each claimed row is
+sent by a task of its own with an asynchronous HTTP client and one deadline for the whole request; its outcome is
+written in a short transaction of its own.
 
 A slow or dead receiver slows nothing else: the API and the ingester never wait for a delivery (they only
 insert rows), at most `webhook_per_receiver` deliveries are in flight to one receiver (scheme, host, port)
@@ -32,73 +33,24 @@ import ssl
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
-import psycopg
 
 from controlplane.ingest import first_line
 from controlplane.settings import ControlPlaneSettings
 from core import secretbox, webhooks
-from db.pool import dsn
+from db import deliveries
+from db.deliveries import Claimed
+from db.notify import WEBHOOKS, Notifications
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "ft_webhooks"
 POLL_SECONDS = 1.0
 LEASE_MARGIN_SECONDS = 30.0  # beyond the delivery's own deadline, before a claimed row counts as abandoned
 RETRY_MAX_SECONDS = 5.0
 USER_AGENT = "ft-webhooks/1"
 ERROR_CHARS = 500
 UNREADABLE = "the owner's webhook secret cannot be decrypted"
-
-# Due rows, never one whose job has an earlier pending delivery; then, per receiver, only as many as it has
-# free slots ($2/$3: receivers with deliveries in flight and how many; $4: the per-receiver bound). The rows
-# chosen are leased ($5 seconds) and their attempt counted in the same statement.
-CLAIM = """
-WITH candidates AS (
-    SELECT d.id, d.receiver, d.next_attempt_at FROM webhook_deliveries AS d
-    WHERE d.status = 'pending' AND d.next_attempt_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM webhook_deliveries AS e
-                      WHERE e.job_id = d.job_id AND e.status = 'pending' AND e.event_seq < d.event_seq)
-    ORDER BY d.next_attempt_at, d.id LIMIT 500
-    FOR UPDATE OF d SKIP LOCKED
-), ranked AS (
-    SELECT c.id, c.next_attempt_at, row_number() OVER (PARTITION BY c.receiver ORDER BY c.next_attempt_at, c.id)
-           + coalesce(busy.used, 0) AS slot
-    FROM candidates AS c LEFT JOIN unnest(%(busy)s::text[], %(used)s::int[]) AS busy(receiver, used)
-         ON busy.receiver = c.receiver
-), chosen AS (
-    SELECT id FROM ranked WHERE slot <= %(per_receiver)s ORDER BY next_attempt_at, id LIMIT %(limit)s
-)
-UPDATE webhook_deliveries AS w
-SET attempts = w.attempts + 1, last_attempt_at = now(), next_attempt_at = now() + make_interval(secs => %(lease)s)
-FROM chosen WHERE w.id = chosen.id
-RETURNING w.id, w.url, w.receiver, w.event, w.payload::text, w.attempts, w.owner,
-          (SELECT o.secret FROM webhook_owners AS o WHERE o.owner = w.owner)"""
-DELIVERED = """
-UPDATE webhook_deliveries SET status = 'delivered', delivered_at = now(), last_status_code = %(code)s,
-    last_error = NULL, next_attempt_at = NULL
-WHERE id = %(id)s AND status = 'pending'"""
-FAILED = """
-UPDATE webhook_deliveries SET last_status_code = %(code)s, last_error = %(error)s,
-    status = CASE WHEN attempts >= %(max)s THEN 'failed' ELSE 'pending' END,
-    next_attempt_at = CASE WHEN attempts >= %(max)s THEN NULL ELSE now() + make_interval(secs => %(wait)s) END
-WHERE id = %(id)s AND status = 'pending'"""
-
-
-@dataclass(frozen=True)
-class Claimed:
-    id: str
-    url: str
-    receiver: str
-    event: str
-    body: bytes
-    attempts: int
-    owner: str
-    secret: str | None  # sealed, as stored
-
 
 def backoff(attempts: int, settings: ControlPlaneSettings) -> float:
     """Seconds before the next try after `attempts` failed ones: doubling from the first pause, capped, and
@@ -108,14 +60,31 @@ def backoff(attempts: int, settings: ControlPlaneSettings) -> float:
 
 
 class Deliverer:
-    def __init__(self, settings: ControlPlaneSettings) -> None:
+    def __init__(self, settings: ControlPlaneSettings, notifications: Notifications | None = None) -> None:
+        """`notifications`: the control plane's LISTEN loop, which wakes it on `ft_webhooks`; without one it only
+        looks every POLL_SECONDS."""
         self.settings = settings
+        self.notifications = notifications
         self.allow = webhooks.parse_allow_nets(settings.webhook_allow_nets)
         self.keys = secretbox.keyring(settings)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.in_flight: Counter[str] = Counter()
         self.tasks: set[asyncio.Task[None]] = set()
+        # Set when a notification came, or a slot came free: look again now. Made in the thread's own loop.
+        self._woken: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if notifications is not None:
+            notifications.subscribe(WEBHOOKS, self._notified)
+
+    def _notified(self) -> None:
+        """Called in the LISTEN loop's thread: wake this thread's loop."""
+        loop, woken = self._loop, self._woken
+        if loop is not None and woken is not None:
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:
+                pass  # the loop has closed: stopping
 
     def start(self) -> None:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="deliverer", daemon=True)
@@ -137,6 +106,7 @@ class Deliverer:
                                  timeout=self.settings.webhook_timeout_seconds)
 
     async def _run(self) -> None:
+        self._woken, self._loop = asyncio.Event(), asyncio.get_running_loop()
         async with self.client() as client:
             pause = 0.5
             while not self._stopping.is_set():
@@ -150,14 +120,12 @@ class Deliverer:
                     pause = 0.5
             if self.tasks:
                 await asyncio.wait(self.tasks, timeout=self.settings.webhook_timeout_seconds)
+        self._loop = None
 
     async def _serve(self, client: httpx.AsyncClient) -> None:
-        url = dsn(self.settings.database_url)
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5) as listen, \
-                await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=5) as conn:
-            await listen.execute(f"LISTEN {CHANNEL}")
-            woken = asyncio.Event()
-            # LISTEN first, then look: a row committed in between is either claimed now or notified.
+        woken = self._woken
+        assert woken is not None
+        async with await deliveries.connect(self.settings.database_url) as conn:
             while not self._stopping.is_set():
                 woken.clear()
                 for row in await self._claim(conn):
@@ -165,31 +133,18 @@ class Deliverer:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
                 # Look again when notified, when a slot came free, or after POLL_SECONDS (retries come due).
-                waiter = asyncio.create_task(woken.wait())
-                notified = asyncio.create_task(self._notified(listen))
-                await asyncio.wait({waiter, notified}, timeout=POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                notified.cancel()
-                await asyncio.gather(waiter, notified, return_exceptions=True)
+                try:
+                    await asyncio.wait_for(woken.wait(), timeout=POLL_SECONDS)
+                except TimeoutError:
+                    pass
 
-    @staticmethod
-    async def _notified(listen: psycopg.AsyncConnection[Any]) -> None:
-        async for _ in listen.notifies(timeout=POLL_SECONDS, stop_after=1):
-            return
-
-    async def _claim(self, conn: psycopg.AsyncConnection[Any]) -> list[Claimed]:
+    async def _claim(self, conn: deliveries.Connection) -> list[Claimed]:
         free = self.settings.webhook_concurrency - sum(self.in_flight.values())
         if free <= 0:
             return []
-        busy = [r for r, n in self.in_flight.items() if n > 0]
         lease = self.settings.webhook_timeout_seconds + webhooks.RESOLVE_TIMEOUT_SECONDS + LEASE_MARGIN_SECONDS
-        async with conn.transaction():
-            cur = await conn.execute(CLAIM, {"busy": busy, "used": [self.in_flight[r] for r in busy],
-                                             "per_receiver": self.settings.webhook_per_receiver, "limit": free,
-                                             "lease": lease})
-            rows = await cur.fetchall()
-        claimed = [Claimed(id=r[0], url=r[1], receiver=r[2], event=r[3], body=r[4].encode(), attempts=r[5],
-                           owner=r[6], secret=r[7]) for r in rows]
+        claimed = await deliveries.claim(conn, in_flight=dict(self.in_flight),
+                                         per_receiver=self.settings.webhook_per_receiver, limit=free, lease=lease)
         for row in claimed:
             self.in_flight[row.receiver] += 1
         return claimed
@@ -250,16 +205,13 @@ class Deliverer:
         return response.status_code, f"HTTP {response.status_code}"
 
     async def _record(self, row: Claimed, code: int | None, error: str | None, final: bool = False) -> None:
-        async with await psycopg.AsyncConnection.connect(dsn(self.settings.database_url), autocommit=True,
-                                                         connect_timeout=5) as conn:
+        async with await deliveries.connect(self.settings.database_url) as conn:
             if error is None:
-                await conn.execute(DELIVERED, {"id": row.id, "code": code})
+                await deliveries.delivered(conn, row.id, code)
                 return
-            wait = backoff(row.attempts, self.settings)
             give_up = row.attempts if final else self.settings.webhook_max_attempts
-            await conn.execute(FAILED, {"id": row.id, "code": code, "error": error[:ERROR_CHARS],
-                                        "max": give_up, "wait": wait})
+            await deliveries.failed(conn, row.id, code=code, error=error[:ERROR_CHARS], give_up_at=give_up,
+                                    wait=backoff(row.attempts, self.settings))
         if row.attempts >= self.settings.webhook_max_attempts:
             log.warning("webhook delivery %s (%s) given up after %d attempts: %s", row.id, row.event, row.attempts,
                         error)
-

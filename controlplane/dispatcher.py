@@ -5,10 +5,10 @@ The API's submit only commits the job row; a requeue or re-drive only puts the r
 with no `dispatched_at`. Each pass first runs the scheduler (controlplane/scheduler.py), which commits where
 queued jobs go, then this thread finds the placed rows not yet sent and publishes their current attempt
 through Celery to each placed node's own queue, then marks them sent. It wakes on `ft_dispatch` (a
-trigger notifies when a row needs sending, migrations 0003, or slots came free, 0005) and looks anyway
-every POLL_SECONDS, so a lost notification or listener costs at most that. Exactly one task message per
-attempt is the goal, at least one is the guarantee: a crash between
-publishing and the commit sends the attempt again, and a worker drops a message for an attempt that
+trigger notifies when a row needs sending, migrations 0003, or slots came free, 0005; the control plane's one
+LISTEN loop, db/notify.py, hands it over) and looks anyway every POLL_SECONDS, so a lost notification or
+listener costs at most that. Exactly one task message per attempt is the goal, at least one is the guarantee:
+a crash between publishing and the commit sends the attempt again, and a worker drops a message for an attempt that
 was already claimed. A submit thus never waits on Redis or the broker, and a row can never exist
 without its message being sent (the gap the API's own send after the commit had).
 """
@@ -19,34 +19,36 @@ import logging
 import threading
 from datetime import datetime, timezone
 
-import psycopg
 import redis
-from sqlalchemy import select
 
-from contract.codes import JobStatus
 from controlplane.dispatch import dispatch
 from controlplane.ingest import first_line
 from controlplane.scheduler import Scheduler
 from controlplane.settings import ControlPlaneSettings
+from db import placement
 from db.engine import session_scope
-from db.models import Job
-from db.pool import dsn
+from db.notify import DISPATCH, Notifications
 
 log = logging.getLogger(__name__)
 
-CHANNEL = "ft_dispatch"
 POLL_SECONDS = 1.0
 BATCH = 200  # rows locked and sent per transaction
 RETRY_MAX_SECONDS = 5.0
 
 
 class Dispatcher:
-    def __init__(self, client: redis.Redis, settings: ControlPlaneSettings) -> None:
+    def __init__(self, client: redis.Redis, settings: ControlPlaneSettings,
+                 notifications: Notifications | None = None) -> None:
+        """`notifications`: the control plane's LISTEN loop, which wakes it on `ft_dispatch`; without one it only
+        looks every POLL_SECONDS."""
         self.r = client
         self.settings = settings
         self.scheduler = Scheduler(client, settings)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._woken = threading.Event()
+        if notifications is not None:
+            notifications.subscribe(DISPATCH, self._woken.set)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
@@ -54,6 +56,7 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._woken.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_SECONDS + 1)
 
@@ -63,11 +66,7 @@ class Dispatcher:
         sent = 0
         while True:
             with session_scope() as session:
-                # Rows another dispatcher (or the reaper's re-drive) holds are theirs this time round.
-                jobs = list(session.scalars(
-                    select(Job)
-                    .where(Job.status == JobStatus.QUEUED, Job.dispatched_at.is_(None), Job.placement.is_not(None))
-                    .order_by(Job.seq).limit(BATCH).with_for_update(skip_locked=True)))
+                jobs = placement.placed_unsent(session, limit=BATCH)
                 for job in jobs:
                     dispatch(self.r, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,
                              resolved=job.resolved, placement=job.placement or [],
@@ -81,22 +80,16 @@ class Dispatcher:
     def _run(self) -> None:
         pause = 0.5
         while not self._stopping.is_set():
+            # Cleared before the pass: a notification during it is served by the next pass, at once.
+            self._woken.clear()
             try:
-                with psycopg.connect(dsn(self.settings.database_url), autocommit=True, connect_timeout=5) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
-                    # LISTEN first, then look: a row committed in between is either seen now or notified.
-                    while not self._stopping.is_set():
-                        sent = self.step()
-                        if sent:
-                            log.info("sent %d job(s) to the workers", sent)
-                        pause = 0.5
-                        for _ in conn.notifies(timeout=POLL_SECONDS, stop_after=1):
-                            pass
-                        # What else arrived meanwhile is served by the same next pass, not one pass each.
-                        for _ in conn.notifies(timeout=0):
-                            pass
+                sent = self.step()
             except Exception as exc:  # an outage of Postgres, Redis or the broker: wait and look again
                 log.warning("dispatching failed (%s); retrying in %.1f s", first_line(exc), pause)
                 self._stopping.wait(pause)
                 pause = min(pause * 2, RETRY_MAX_SECONDS)
-
+                continue
+            if sent:
+                log.info("sent %d job(s) to the workers", sent)
+            pause = 0.5
+            self._woken.wait(POLL_SECONDS)

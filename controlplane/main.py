@@ -23,6 +23,7 @@ from controlplane.ingest import Ingester, first_line, transient
 from controlplane.reaper import Reaper, RedisLossWatch
 from controlplane.settings import ControlPlaneSettings
 from core.settings import settings_or_exit
+from db.notify import Notifications
 
 log = logging.getLogger("controlplane")
 
@@ -50,10 +51,12 @@ def main() -> None:
     watch = RedisLossWatch(watched)
     ingester = Ingester(client, batch=settings.ingest_batch)
     reaper = Reaper(client, settings)
-    dispatcher = Dispatcher(client, settings)
+    # One LISTEN connection for the process: it wakes the dispatcher (ft_dispatch) and the deliverer (ft_webhooks).
+    notifications = Notifications(settings.database_url)
+    dispatcher = Dispatcher(client, settings, notifications)
     # Its thread calls step(); counted from outside, so the dispatcher knows nothing of metrics.
     dispatcher.step = metrics.counting_sends(dispatcher.step)  # type: ignore[method-assign]
-    deliverer = Deliverer(settings)  # webhooks: a thread and event loop of its own, off the ingest path
+    deliverer = Deliverer(settings, notifications)  # webhooks: a thread and event loop of its own, off the ingest path
     metrics.start(settings.controlplane_metrics_port)
     stopping = False
 
@@ -65,6 +68,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
     dispatcher.start()
     deliverer.start()
+    notifications.start()
     log.info("control plane running")
     next_reap = 0.0
     pause = BACKOFF_FIRST_SECONDS
@@ -95,6 +99,7 @@ def main() -> None:
         if failing_since is not None:
             log.info("control plane recovered after %.1f s of failures", time.monotonic() - failing_since)
             failing_since, pause = None, BACKOFF_FIRST_SECONDS
+    notifications.stop()
     dispatcher.stop()
     deliverer.stop()
     log.info("control plane stopped")

@@ -18,9 +18,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import text
 
-from contract.codes import ACTIVE_STATUSES, sql_list
+from db import attempts
 from db.engine import session_scope
 
 log = logging.getLogger(__name__)
@@ -36,8 +35,6 @@ REAPED = Counter("ft_reaper_actions_total", "Jobs the reaper requeued (lost or r
 DISPATCHED = Counter("ft_dispatched_total", "Task messages the dispatcher sent (first sends, requeues, re-drives)",
                      registry=REGISTRY)
 
-RUNNING = (f"SELECT id, owner, queue, progress FROM jobs WHERE status IN {sql_list(ACTIVE_STATUSES)} "
-           "ORDER BY seq LIMIT 1000")
 # progress key -> (metric, help)
 FIGURES = {
     "step": ("ft_job_step", "The running job's last reported optimizer step"),
@@ -62,7 +59,7 @@ class RunningJobs(Collector):
         ok = GaugeMetricFamily("ft_running_jobs_scrape_ok", "1 when Postgres answered this scrape")
         try:
             with session_scope() as session:
-                rows = session.execute(text(RUNNING)).all()
+                rows = attempts.running(session)
             for job_id, owner, queue, progress in rows:
                 for key, family in families.items():
                     value = (progress or {}).get(key)

@@ -57,6 +57,12 @@ def active(session: Session) -> list[Row[Any]]:
                                 .where(Job.status.in_(ACTIVE_STATUSES))))
 
 
+def running(session: Session, *, limit: int = 1000) -> list[Row[Any]]:
+    """(id, owner, queue, progress) of the jobs a worker holds, oldest first: the running jobs' figures."""
+    return list(session.execute(select(Job.id, Job.owner, Job.queue, Job.progress)
+                                .where(Job.status.in_(ACTIVE_STATUSES)).order_by(Job.seq).limit(limit)))
+
+
 def _losses(session: Session, job_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(JobEvent).where(
         JobEvent.job_id == job_id, JobEvent.type == EventKind.STATE, JobEvent.data["status"].astext == LOST)) or 0)

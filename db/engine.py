@@ -10,7 +10,7 @@ from sqlalchemy import MetaData, create_engine
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
-from api.settings import get_settings
+from core.settings import StoreSettings
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -26,10 +26,16 @@ class Base(DeclarativeBase):
 
 
 @lru_cache
+def _database_url() -> str:
+    """FT_DATABASE_URL as every process that holds the database reads it (core/settings.py StoreSettings)."""
+    return StoreSettings().database_url
+
+
+@lru_cache
 def get_engine(url: str | None = None) -> Engine:
     # connect_timeout: an unreachable Postgres (a dropped route, not a refused port) becomes a 503 within
     # seconds instead of hanging the request for the OS's TCP timeout.
-    return create_engine(url or get_settings().database_url, pool_pre_ping=True, pool_size=10, max_overflow=20,
+    return create_engine(url or _database_url(), pool_pre_ping=True, pool_size=10, max_overflow=20,
                          connect_args={"connect_timeout": 5})
 
 

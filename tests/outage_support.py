@@ -204,11 +204,12 @@ def states(dsn: str, job_id: str) -> list[tuple[int, str]]:
 
 def commit_without_ack() -> int:
     """Read a batch as the control plane's ingester, commit it to Postgres, then die before acknowledging."""
-    from api.settings import get_settings
-    from controlplane.ingest import Ingester, store
+    from controlplane.ingest import Ingester
+    from controlplane.settings import ControlPlaneSettings
     from db.engine import session_scope
+    from db.ingest import store
 
-    client = redis.Redis.from_url(get_settings().redis_url)
+    client = redis.Redis.from_url(ControlPlaneSettings().redis_url)
     ingester = Ingester(client)
     time.sleep(1)  # let the trainer's events pile up: the batch left unacknowledged is then a real one
     end = time.monotonic() + 30

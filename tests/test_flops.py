@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from controlplane.ingest import apply_event
+from db.ingest import apply_event
 from db.models import Job
 from trainer import flops
 from trainer.data import pack

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.ingest import apply_event
+from db.ingest import apply_event
 from db.models import Job
 
 

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from contract.protocol import EVENTS_STREAM, INGEST_GROUP
-from controlplane.ingest import _clean, apply_event
+from db.ingest import _clean, apply_event
 from db.models import Job
 from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
 from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status

@@ -24,6 +24,7 @@ import pytest
 
 from api.settings import ApiSettings
 from controlplane.deliverer import Deliverer
+from controlplane.settings import ControlPlaneSettings
 from core import secretbox, webhooks
 from scripts.stack import ROOT
 from tests.apiproc import ApiProcess, fresh_database, make_roots
@@ -95,8 +96,8 @@ def settled(database: str, job_id: str) -> tuple[Any, ...] | None:
 
 @contextmanager
 def deliverer(database: str, keys: str) -> Iterator[Deliverer]:
-    d = Deliverer(ApiSettings(database_url=database, secrets_key=keys, webhook_allow_nets="127.0.0.1/32",
-                              env="production"))
+    d = Deliverer(ControlPlaneSettings(database_url=database, secrets_key=keys, webhook_allow_nets="127.0.0.1/32",
+                                       env="production"))
     d.start()
     try:
         yield d

@@ -28,6 +28,7 @@ import pytest
 
 from api.settings import ApiSettings
 from controlplane.deliverer import Claimed, Deliverer, backoff
+from controlplane.settings import ControlPlaneSettings
 from core import secretbox, webhooks
 from db.models import Job
 from db.webhooks import event_type
@@ -266,7 +267,7 @@ def test_https_goes_to_the_checked_address_named_in_sni_and_verified(tmp_path: P
         allow = "127.0.0.1/32,::1/128"
 
         def send(url: str, ca_file: str = str(ca), nets: str = allow) -> tuple[int | None, str | None]:
-            deliverer = Deliverer(ApiSettings(webhook_allow_nets=nets, webhook_ca_file=ca_file))
+            deliverer = Deliverer(ControlPlaneSettings(webhook_allow_nets=nets, webhook_ca_file=ca_file))
             sealed = deliverer.keys.seal("whsec_tls", context=secretbox.webhook_context("tls-owner"))
             row = Claimed(id="whd_tls", url=url, receiver="", event="job.running", body=b'{"type":"job.running"}',
                           attempts=1, owner="tls-owner", secret=sealed)
@@ -296,7 +297,7 @@ def test_https_goes_to_the_checked_address_named_in_sni_and_verified(tmp_path: P
 
 
 def test_backoff_doubles_with_jitter_up_to_its_cap() -> None:
-    s = ApiSettings(webhook_backoff_seconds=1.0, webhook_backoff_max_seconds=8.0)
+    s = ControlPlaneSettings(webhook_backoff_seconds=1.0, webhook_backoff_max_seconds=8.0)
     for attempts, ceiling in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (9, 8.0)):
         waits = [backoff(attempts, s) for _ in range(200)]
         assert all(ceiling / 2 <= w <= ceiling for w in waits)
