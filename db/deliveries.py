@@ -43,7 +43,7 @@ UPDATE webhook_deliveries SET status = 'delivered', delivered_at = now(), last_s
     last_error = NULL, next_attempt_at = NULL
 WHERE id = %(id)s AND status = 'pending'"""
 FAILED = """
-UPDATE webhook_deliveries SET last_status_code = %(code)s, last_error = %(error)s,
+UPDATE webhook_deliveries SET last_status_code = %(code)s, last_error = %(last_error)s,
     status = CASE WHEN attempts >= %(max)s THEN 'failed' ELSE 'pending' END,
     next_attempt_at = CASE WHEN attempts >= %(max)s THEN NULL ELSE now() + make_interval(secs => %(wait)s) END
 WHERE id = %(id)s AND status = 'pending'"""
@@ -86,4 +86,5 @@ async def delivered(conn: Connection, delivery_id: str, code: int | None) -> Non
 async def failed(conn: Connection, delivery_id: str, *, code: int | None, error: str,
                  give_up_at: int, wait: float) -> None:
     """Record a failed attempt: retried after `wait` seconds, or given up once `give_up_at` attempts were made."""
-    await conn.execute(FAILED, {"id": delivery_id, "code": code, "error": error, "max": give_up_at, "wait": wait})
+    await conn.execute(FAILED, {"id": delivery_id, "code": code, "last_error": error, "max": give_up_at,
+                                "wait": wait})

@@ -14,6 +14,7 @@ import httpx
 import psycopg
 import pytest
 
+from api.services import estimate
 from tests.apiproc import add_key, api_client, fixed_key, fresh_database, make_roots
 
 KEY = fixed_key("dryrunadmin")
@@ -144,6 +145,22 @@ def test_placement_against_the_live_nodes(client: httpx.Client, database: str) -
         model="meta-llama/Llama-3.1-8B", hyperparameters={"micro_batch_size": 4}, resources={"queue": "h200"}))
     big = {n["node"]: n for n in r.json()["placement"]["nodes"]}
     assert not big["gpu-a"]["fits"] and big["gpu-a"]["reasons"][0].startswith("GPU memory"), big["gpu-a"]
+
+
+def test_a_node_at_its_job_limit_is_not_placeable_now() -> None:
+    """The scheduler places nothing on a node that runs as many jobs as it may (jobs_max), whatever its free slots;
+    the dry run says so too (core/placement.py is the one rule both apply). An 8-slot node, as GET /nodes shows it,
+    with jobs_max 1 and one running 1-slot job has 7 slots free but none for a new job."""
+    running = {"id": "job_x", "status": "running", "devices": ["0"]}
+    node = {"name": "busy-1", "kind": "h200", "queues": ["limit-dry"], "slots_total": 8, "slots_free": 7,
+            "jobs": [running], "jobs_max": 1, "state": "up"}
+    p = estimate.placement([node], "limit-dry", 1, 1, None)
+    [fit] = p.nodes
+    assert fit.fits and fit.slots_free == 7 and not fit.free_now, fit
+    assert p.placeable_now is False and p.summary.endswith("largest free now: 0"), p
+    # Below its limit the same node takes the job now.
+    p = estimate.placement([{**node, "jobs_max": 2}], "limit-dry", 1, 1, None)
+    assert p.placeable_now is True and p.nodes[0].free_now, p
 
 
 def test_an_unknown_model_is_valid_without_an_estimate(client: httpx.Client) -> None:
