@@ -14,11 +14,6 @@ def free_now(*, free: int, jobs: int, jobs_max: int) -> int:
     return free if jobs < jobs_max else 0
 
 
-def fits_now(*, usable: bool, free: int, jobs: int, jobs_max: int, need: int) -> bool:
-    """Whether the node takes a share of `need` devices now."""
-    return usable and free_now(free=free, jobs=jobs, jobs_max=jobs_max) >= need
-
-
 def why_not_now(*, usable: bool, free: int, jobs: int, jobs_max: int, need: int) -> str | None:
     """Why the node cannot take the share now; None where it can."""
     if not usable:
@@ -28,6 +23,11 @@ def why_not_now(*, usable: bool, free: int, jobs: int, jobs_max: int, need: int)
     if free < need:
         return f"{free} of its slots are free; the share needs {need}"
     return None
+
+
+def fits_now(*, usable: bool, free: int, jobs: int, jobs_max: int, need: int) -> bool:
+    """Whether the node takes a share of `need` devices now."""
+    return why_not_now(usable=usable, free=free, jobs=jobs, jobs_max=jobs_max, need=need) is None
 
 
 def why_never(*, queues: list[str], slots: int, queue: str, need: int) -> list[str]:
