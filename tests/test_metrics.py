@@ -103,7 +103,7 @@ def test_the_dashboard_and_the_monitoring_profile() -> None:
             assert (ROOT / source).exists(), source
     # Every metric the dashboard queries is one the service exports.
     exported = set(re.findall(r'"(ft_[a-z_]+)"', (ROOT / "api" / "metrics.py").read_text()
-                              + (ROOT / "api" / "controlplane_metrics.py").read_text()))
+                              + (ROOT / "controlplane" / "metrics.py").read_text()))
     dashboard = json.loads((ROOT / "monitoring" / "grafana" / "dashboards" / "finetune.json").read_text())
     queried = {name for p in dashboard["panels"] for t in p["targets"]
                for name in re.findall(r"\b(ft_[a-z_]+?)(?:_bucket|_count|_sum)?\b", t["expr"])}
