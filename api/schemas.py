@@ -24,6 +24,7 @@ JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job
 
 # A Literal, not the enum, so the OpenAPI schema lists the values inline as it always has.
 JobStatus = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
+DeliveryStatus = Literal[tuple(s.value for s in codes.DeliveryStatus)]  # type: ignore[valid-type]
 
 
 class Progress(BaseModel):
@@ -272,7 +273,7 @@ class Delivery(BaseModel):
                                    "job.checkpoint")
     event_id: int = Field(description="The job event it announces (GET /jobs/{id}/events)")
     url: str
-    status: Literal["pending", "delivered", "failed"] = Field(description="failed: given up after the last attempt")
+    status: DeliveryStatus = Field(description="failed: given up after the last attempt")
     attempts: int
     next_attempt_at: datetime | None = Field(description="When a pending delivery is tried next")
     last_attempt_at: datetime | None

@@ -39,7 +39,6 @@ class ApiSettings(StoreSettings):
     # How long after a node's heartbeat key expired it counts as lost (GET /nodes, a dry run's placement). The
     # control plane reads the same FT_LEASE_GRACE_SECONDS (controlplane/settings.py); it belongs in
     # core.settings.StoreSettings, where both would share one declaration.
-    lease_grace_seconds: float = 3.0
     # Connections each API process keeps for its asynchronous reads and writes (db/pool.py).
     api_db_pool_size: int = 10
 

@@ -65,6 +65,17 @@ class EventKind(str, enum.Enum):
     UNREADABLE = "unreadable"
 
 
+class DeliveryStatus(str, enum.Enum):
+    """A webhook delivery's state (webhook_deliveries.status): tried until delivered or given up."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"  # given up after the last attempt
+
+
 class FailureCode(str, enum.Enum):
     """`error.code` of a failed job: whoever decides the failure (trainer, worker or control plane) writes one
     of these. A str, so each is its plain string in JSON and events; `__str__` makes it so in f-strings too

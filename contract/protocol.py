@@ -23,6 +23,11 @@ def cancel_key(job_id: str) -> str:
     return f"ft:job:{job_id}:cancel"
 
 
+# A cancel key lives long enough to outlive any attempt it may still have to stop: written by the API, re-asserted
+# by the control plane's reaper.
+CANCEL_KEY_TTL = 30 * 24 * 3600
+
+
 def _part(part: int) -> str:
     # A multi-node job runs one part per node (its node rank); part 0 keeps the single-node job's names.
     return f":{part}" if part else ""

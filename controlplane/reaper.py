@@ -20,6 +20,7 @@ import redis
 
 from contract.codes import JobStatus
 from contract.protocol import (
+    CANCEL_KEY_TTL,
     EVENTS_STREAM,
     INGEST_GROUP,
     attempt_key,
@@ -29,7 +30,6 @@ from contract.protocol import (
     released_key,
 )
 from controlplane.settings import ControlPlaneSettings
-from core.lifetimes import CANCEL_KEY_TTL
 from db import attempts
 from db.engine import session_scope
 

@@ -9,8 +9,6 @@ from core.settings import StoreSettings
 
 
 class ControlPlaneSettings(StoreSettings):
-    # A worker whose lease has been missing this long is gone; its job is requeued.
-    lease_grace_seconds: float = 3.0
     max_attempts: int = 3
     ingest_batch: int = 500
     loop_interval_seconds: float = 0.5

@@ -44,6 +44,9 @@ class StoreSettings(SharedSettings):
     # Webhooks (core/webhooks.py): CIDRs the service may call although they are not public (loopback, private,
     # link-local, ...); empty: public addresses only. Checked at submit (API) and at every delivery (control plane).
     webhook_allow_nets: str = ""
+    # A worker whose lease has been missing this long is gone: the control plane requeues its job, and the API
+    # shows its node as lost (GET /nodes, dry runs).
+    lease_grace_seconds: float = 3.0
 
     @field_validator("webhook_allow_nets")
     @classmethod

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
-from contract.protocol import EVENTS_STREAM
+from contract.protocol import EVENTS_STREAM, StateField
 from db import attempts, events
 from db.models import Job, JobEvent
 
@@ -44,7 +44,7 @@ def apply_state(job: Job, data: dict[str, Any]) -> None:
     elif status in TERMINAL_STATUSES:
         job.status = status
         job.finished_at = _now()
-        job.error = data.get("error")
+        job.error = data.get(StateField.ERROR)
         if data.get("output"):
             job.output = data["output"]
         if data.get("usage"):

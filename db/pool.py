@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncpg
-from sqlalchemy.engine import make_url
 
 from core.settings import StoreSettings
 from db.errors import Unavailable
+from db.urls import dsn
 
 # What an unreachable or restarting Postgres raises here; each is answered 503, never 500.
 UNREACHABLE: tuple[type[BaseException], ...] = (
@@ -43,11 +43,6 @@ def database_url() -> str:
     if "database_url" not in _config:
         _config["database_url"] = StoreSettings().database_url
     return _config["database_url"]
-
-
-def dsn(url: str) -> str:
-    """The SQLAlchemy URL of the settings as a plain libpq URL."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 async def pool() -> asyncpg.Pool:

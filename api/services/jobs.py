@@ -8,7 +8,6 @@ and, with an Idempotency-Key, recorded for retries, all in the transaction that 
 from __future__ import annotations
 
 import secrets
-from datetime import datetime, timezone
 from typing import Any
 
 import anyio
@@ -20,16 +19,10 @@ from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings, quota_defaults
 from contract.deepspeed import ResolveLimits, resolve
-from contract.protocol import cancel_key
+from contract.protocol import CANCEL_KEY_TTL, cancel_key
 from contract.spec import JobSpec, ResolvedJob
 from db import idempotency
 from db import jobs as store
-
-CANCEL_KEY_TTL = 30 * 24 * 3600
-
-
-def now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def new_id() -> str:
