@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
@@ -89,3 +89,11 @@ def test_the_link_checker_sees_what_it_checks() -> None:
     assert relative_links(README), "no relative link found in README.md"
     sample = "[a](x.md#y) ![b](p.png) [c](https://e.com) `[d](code.md)`\n```\n[e](fenced.md)\n```\n"
     assert LINK.findall(prose(sample)) == ["x.md#y", "p.png", "https://e.com"]
+
+
+def test_every_module_path_the_pages_name_exists() -> None:
+    # A restructure moves files; a page that still names the old place sends a newcomer nowhere.
+    named = {(p.name, m) for p in PAGES for m in re.findall(r"`([a-z_]+(?:/[a-z_]+)+\.py)`", p.read_text())}
+    assert len(named) > 20, "the check found too few module paths to be looking at the pages"
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert missing == [], missing
