@@ -134,6 +134,38 @@ class Guard:
     engine: Any = None
 
 
+@dataclass
+class Try:
+    """What a try's setup hands its training loop."""
+
+    job: ResolvedJob
+    setting: oom.MemorySetting
+    engine: Any
+    scheduler: Any
+    order: BatchOrder
+    total_steps: int
+    n_params: int
+    n_trainable: int
+    adjustments: list[str]
+    swap_folder: Path | None
+
+
+@dataclass
+class Loop:
+    """What the training loop of one try carries from step to step."""
+
+    state: TrainerState
+    fence: Fence
+    ckpt_dir: Path
+    pipelined: bool
+    flop_counts: Any
+    row_pairs: Any
+    peak: float | None
+    progress: Progress
+    run_start: float
+    start_step: int
+
+
 def _rng_snapshot() -> dict[str, Any]:
     snap: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state()}
@@ -274,121 +306,159 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
     del model  # the engine holds it; a retry must be able to free it
-    _loop(session, job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable, adjustments,
-          swap_folder, guard)
+    _loop(session, Try(job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable,
+                       adjustments, swap_folder), guard)
 
 
-def _loop(session: Session, job: ResolvedJob, setting: oom.MemorySetting, engine: Any, scheduler: Any,
-          order: BatchOrder, total_steps: int, n_params: int, n_trainable: int,
-          adjustments: list[str], swap_folder: Path | None, guard: Guard) -> None:
-    run_spec, rank, world, device = session.run_spec, session.rank, session.world, session.device
-    paths, spec, hp = run_spec.paths, job.spec, job.spec.hyperparameters
-    accel = get_accelerator()
-    train_blocks, val_blocks, stop = session.train_blocks, session.val_blocks, session.stop
-    micro = setting.micro_batch_size
-    ckpt_dir = Path(paths.checkpoint_dir)
-    fence = Fence(Path(paths.job_dir), run_spec.attempt)
-    state = checkpoint.resume(engine, ckpt_dir, rank, fence) or TrainerState()
-    emit_rank0(EventKind.STARTED, world_size=world, total_steps=total_steps,
-               resumed_from_step=state.step if state.step else None, micro_batch_size=micro,
-               gradient_accumulation_steps=setting.gradient_accumulation_steps,
-               packing_efficiency=round(train_blocks.packing_efficiency, 4), n_params=n_params,
-               n_trainable_params=n_trainable, adjustments=adjustments, device=accel.device_name(),
-               attempt=run_spec.attempt, optimizer=hp.optimizer, on_oom=spec.resources.on_oom,
-               memory_setting=setting.shown())
-
-    flop_counts = flops.counts(getattr(engine.module, "config", None), n_params, hp.seq_len)
-    row_pairs = flops.attended_pairs(train_blocks.position_ids, train_blocks.real_tokens)
-    peak = _peak_flops()
-    every = spec.checkpointing.every_steps
-    eval_every = hp.eval_every_steps if val_blocks is not None else None
-    progress = Progress(window_start=time.time())
-    pipelined = pipeline.is_pipeline(engine)
-    evaluate_fn = (lambda: pipeline.evaluate(engine, val_blocks, micro, device)) if pipelined else (
-        lambda: evaluate(engine, val_blocks, micro, rank, world, device))
-    run_start, start_step = time.time(), state.step
-    guard.step = state.step
-    if accel.device_name() == "cuda":
-        accel.reset_peak_memory_stats()
-
-    while state.step < total_steps:
+def _loop(session: Session, run: Try, guard: Guard) -> None:
+    loop = _begin(session, run, guard)
+    state, order, train_blocks = loop.state, run.order, session.train_blocks
+    while state.step < run.total_steps:
         global_rows = order.global_rows(state.epoch, state.next_batch)
         # Every rank knows the whole global batch, so the token-weighted mean needs no extra collective.
         label_tokens = int((train_blocks.labels[global_rows, 1:] != IGNORE).sum())
         real_tokens = int(train_blocks.real_tokens[global_rows].sum())
-        # engine.backward divides by the accumulation steps and gradients are averaged over ranks; this
-        # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
-        scale = order.accum * order.world / max(1, label_tokens)
-        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        if pipelined:
-            lr = scheduler.get_last_lr()[0]
-            loss_sum += pipeline.train_step(engine, train_blocks, order, state.epoch, state.next_batch, scale)
-        for k, rows in enumerate([] if pipelined else order.micro_rows(state.epoch, state.next_batch, rank)):
-            if guard.active:
-                guard.phase = "forward"
-                session.forced.check("forward")
-            loss = token_loss_sum(engine, train_blocks.batch(rows), device)
-            engine.backward(loss * scale)
-            loss_sum += loss.detach().float()  # no host sync per micro batch
-            lr = scheduler.get_last_lr()[0]
-            if guard.active and k == order.accum - 1:
-                # The boundary's engine.step runs the optimizer (and, the first time, allocates its state).
-                guard.phase = "step"
-                session.forced.check("step")
-            engine.step()
+        loss_sum, lr = _optimizer_step(session, run, guard, loop, label_tokens)
         state.step += 1
         guard.step = state.step
-        if guard.active and state.step - start_step >= oom.ADAPT_STEPS:
+        if guard.active and state.step - loop.start_step >= oom.ADAPT_STEPS:
             guard.active = False
         state.tokens_seen += real_tokens
         state.next_batch += 1
         if state.next_batch >= order.batches_per_epoch:
             state.epoch, state.next_batch = state.epoch + 1, 0
-        loss_total, stop_votes = _all_reduce_sum([float(loss_sum), float(stop.requested)], device)
+        loss_total, stop_votes = _all_reduce_sum([float(loss_sum), float(session.stop.requested)], session.device)
         state.last_loss = loss_total / max(1, label_tokens)
-        progress.window_tokens += real_tokens
-        progress.window_pairs += float(row_pairs[global_rows].sum())
-
-        now = time.time()
-        if progress.due(state.step, total_steps, now):
-            elapsed = max(now - progress.window_start, 1e-9)
-            tps = progress.window_tokens / elapsed
-            per_step = (now - run_start) / max(1, state.step - start_step)
-            grad_norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-            emit_rank0(
-                EventKind.PROGRESS, step=state.step, total_steps=total_steps,
-                epoch=round(state.epoch + state.next_batch / order.batches_per_epoch, 4),
-                loss=state.last_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
-                tokens_per_second=tps, tokens_seen=state.tokens_seen,
-                eta_seconds=per_step * (total_steps - state.step),
-                peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None,
-                **flops.mfu(flop_counts, progress.window_tokens, progress.window_pairs, elapsed,
-                            peak * world if peak else None))
-            progress.last_emit, progress.window_start = now, now
-            progress.window_tokens = progress.window_pairs = 0.0
-
-        if eval_every and state.step % eval_every == 0 and state.step < total_steps:
-            loss_v, ppl = evaluate_fn()
-            emit_rank0(EventKind.EVAL, step=state.step, loss=loss_v, perplexity=ppl)
-        if stop_votes > 0:
-            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
-            emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
-            raise Interrupted(state.step)
-        if every and state.step % every == 0:
-            checkpoint.save(engine, ckpt_dir, state, spec.checkpointing.keep_last, rank, fence)
+        loop.progress.window_tokens += real_tokens
+        loop.progress.window_pairs += float(loop.row_pairs[global_rows].sum())
+        _report_progress_if_due(session, run, loop, lr)
+        _between_steps(session, run, loop, stop_votes)
     guard.active = False
+    _finish(session, run, loop)
 
-    if val_blocks is not None:
-        loss_v, ppl = evaluate_fn()
-        emit_rank0(EventKind.EVAL, step=state.step, loss=loss_v, perplexity=ppl)
+
+def _begin(session: Session, run: Try, guard: Guard) -> Loop:
+    """Resume from the newest committed checkpoint, announce the start, and start the meters and clocks."""
+    paths, hp, train_blocks = session.run_spec.paths, run.job.spec.hyperparameters, session.train_blocks
+    ckpt_dir = Path(paths.checkpoint_dir)
+    fence = Fence(Path(paths.job_dir), session.run_spec.attempt)
+    state = checkpoint.resume(run.engine, ckpt_dir, session.rank, fence) or TrainerState()
+    _emit_started(session, run, state)
+    flop_counts = flops.counts(getattr(run.engine.module, "config", None), run.n_params, hp.seq_len)
+    row_pairs = flops.attended_pairs(train_blocks.position_ids, train_blocks.real_tokens)
+    peak = _peak_flops()
+    progress = Progress(window_start=time.time())
+    pipelined = pipeline.is_pipeline(run.engine)
+    loop = Loop(state, fence, ckpt_dir, pipelined, flop_counts, row_pairs, peak, progress,
+                run_start=time.time(), start_step=state.step)
+    guard.step = state.step
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        accel.reset_peak_memory_stats()
+    return loop
+
+
+def _emit_started(session: Session, run: Try, state: TrainerState) -> None:
+    setting, spec = run.setting, run.job.spec
+    emit_rank0(EventKind.STARTED, world_size=session.world, total_steps=run.total_steps,
+               resumed_from_step=state.step if state.step else None, micro_batch_size=setting.micro_batch_size,
+               gradient_accumulation_steps=setting.gradient_accumulation_steps,
+               packing_efficiency=round(session.train_blocks.packing_efficiency, 4), n_params=run.n_params,
+               n_trainable_params=run.n_trainable, adjustments=run.adjustments,
+               device=get_accelerator().device_name(), attempt=session.run_spec.attempt,
+               optimizer=spec.hyperparameters.optimizer, on_oom=spec.resources.on_oom,
+               memory_setting=setting.shown())
+
+
+def _optimizer_step(session: Session, run: Try, guard: Guard, loop: Loop,
+                    label_tokens: int) -> tuple[torch.Tensor, float]:
+    """Forward and backward over each micro batch of this rank's share of the global batch, then the optimizer
+    step. Returns the summed token loss (on the device, not yet synced) and the learning rate it used."""
+    engine, scheduler, order, state = run.engine, run.scheduler, run.order, loop.state
+    train_blocks, device = session.train_blocks, session.device
+    # engine.backward divides by the accumulation steps and gradients are averaged over ranks; this
+    # scale undoes both so the step's gradient is that of (sum of token losses / global label tokens).
+    scale = order.accum * order.world / max(1, label_tokens)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    if loop.pipelined:
+        lr = scheduler.get_last_lr()[0]
+        loss_sum += pipeline.train_step(engine, train_blocks, order, state.epoch, state.next_batch, scale)
+        return loss_sum, lr
+    for k, rows in enumerate(order.micro_rows(state.epoch, state.next_batch, session.rank)):
+        if guard.active:
+            guard.phase = "forward"
+            session.forced.check("forward")
+        loss = token_loss_sum(engine, train_blocks.batch(rows), device)
+        engine.backward(loss * scale)
+        loss_sum += loss.detach().float()  # no host sync per micro batch
+        lr = scheduler.get_last_lr()[0]
+        if guard.active and k == order.accum - 1:
+            # The boundary's engine.step runs the optimizer (and, the first time, allocates its state).
+            guard.phase = "step"
+            session.forced.check("step")
+        engine.step()
+    return loss_sum, lr
+
+
+def _report_progress_if_due(session: Session, run: Try, loop: Loop, lr: float) -> None:
+    state, progress, engine, accel = loop.state, loop.progress, run.engine, get_accelerator()
+    now = time.time()
+    if not progress.due(state.step, run.total_steps, now):
+        return
+    elapsed = max(now - progress.window_start, 1e-9)
+    tps = progress.window_tokens / elapsed
+    per_step = (now - loop.run_start) / max(1, state.step - loop.start_step)
+    grad_norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    emit_rank0(
+        EventKind.PROGRESS, step=state.step, total_steps=run.total_steps,
+        epoch=round(state.epoch + state.next_batch / run.order.batches_per_epoch, 4),
+        loss=state.last_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
+        tokens_per_second=tps, tokens_seen=state.tokens_seen,
+        eta_seconds=per_step * (run.total_steps - state.step),
+        peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None,
+        **flops.mfu(loop.flop_counts, progress.window_tokens, progress.window_pairs, elapsed,
+                    loop.peak * session.world if loop.peak else None))
+    progress.last_emit, progress.window_start = now, now
+    progress.window_tokens = progress.window_pairs = 0.0
+
+
+def _between_steps(session: Session, run: Try, loop: Loop, stop_votes: float) -> None:
+    """The periodic eval, a stop any rank asked for (checkpoint, then Interrupted), the periodic checkpoint."""
+    state, spec = loop.state, run.job.spec
+    eval_every = spec.hyperparameters.eval_every_steps if session.val_blocks is not None else None
+    if eval_every and state.step % eval_every == 0 and state.step < run.total_steps:
+        _evaluate_and_emit(session, run, loop)
+    if stop_votes > 0:
+        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence)
+        emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
+        raise Interrupted(state.step)
+    every = spec.checkpointing.every_steps
+    if every and state.step % every == 0:
+        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence)
+
+
+def _evaluate_and_emit(session: Session, run: Try, loop: Loop) -> None:
+    micro, device = run.setting.micro_batch_size, session.device
+    if loop.pipelined:
+        loss_v, ppl = pipeline.evaluate(run.engine, session.val_blocks, micro, device)
+    else:
+        loss_v, ppl = evaluate(run.engine, session.val_blocks, micro, session.rank, session.world, device)
+    emit_rank0(EventKind.EVAL, step=loop.state.step, loss=loss_v, perplexity=ppl)
+
+
+def _finish(session: Session, run: Try, loop: Loop) -> None:
+    """After the last step: the final eval, the optimizer state's release, the export, the swap folder."""
+    state = loop.state
+    if session.val_blocks is not None:
+        _evaluate_and_emit(session, run, loop)
     # The optimizer's state is dead weight now; an offloaded one fills most of host memory, where the
     # export then builds the model's files.
-    memory.release_optimizer_state(engine)
-    export.export(engine, session.tokenizer, spec, session.location, Path(paths.output_dir), rank, state.step,
-                  state.last_loss, fence)
+    memory.release_optimizer_state(run.engine)
+    export.export(run.engine, session.tokenizer, run.job.spec, session.location,
+                  Path(session.run_spec.paths.output_dir), session.rank, state.step, state.last_loss, loop.fence)
     # export() ends on a barrier: no rank swaps any more. One process per node clears the node's folder.
-    if swap_folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        swap.remove(swap_folder)
+    if run.swap_folder is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        swap.remove(run.swap_folder)
 
 
 def cleanup() -> None:
