@@ -227,6 +227,12 @@ WebhookUrl = Annotated[str, Field(min_length=1, max_length=2048, json_schema_ext
                        AfterValidator(_webhook_url)]
 
 
+def _at(model: str, field: str, value: Any, message: str) -> ValidationError:
+    """A rule between fields, reported at the field it names (pydantic prefixes the enclosing fields' path)."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(
+        type=PydanticCustomError("value_error", "{message}", {"message": message}), loc=(field,), input=value)])
+
+
 class _Strict(BaseModel):
     # NaN and Infinity are refused: Postgres JSONB cannot hold them and no training knob means them.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -319,14 +325,15 @@ class DeepSpeedOptions(_Strict):
 
     @model_validator(mode="after")
     def _param_offload_needs_stage3(self) -> DeepSpeedOptions:
+        # Located at the field, so the API's 422 names deepspeed.offload_param, not the whole section.
         if self.offload_param != "none" and self.zero_stage != 3:
-            raise ValueError(
-                "offload_param needs zero_stage 3: only stage 3 partitions the parameters, so stages "
-                f"0-2 cannot offload them (got zero_stage {self.zero_stage}); set zero_stage to 3 or "
-                'offload_param to "none"'
-            )
+            raise _at("DeepSpeedOptions", "offload_param", self.offload_param,
+                      "offload_param needs zero_stage 3: only stage 3 partitions the parameters, so stages "
+                      f"0-2 cannot offload them (got zero_stage {self.zero_stage}); set zero_stage to 3 or "
+                      'offload_param to "none"')
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
-            raise ValueError('offloading to "nvme" needs nvme_path, a directory under the NVMe root')
+            raise _at("DeepSpeedOptions", "nvme_path", self.nvme_path,
+                      'offloading to "nvme" needs nvme_path, a directory under the NVMe root')
         return self
 
 

@@ -113,8 +113,8 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str]) -> No
         return st.sampled_from([params["job_id"], *ended_jobs]).map(lambda job_id: {**params, "job_id": job_id})
 
     operations = [result.ok() for result in schema.get_all_operations()]
-    # 6 job operations, 3 of keys, 2 of quotas, the audit log, the nodes, 3 of webhooks and the 2 probes
-    assert len(operations) == 18, [op.label for op in operations]
+    # 7 job operations, 3 of keys, 2 of quotas, the audit log, the nodes, 3 of webhooks and the 2 probes
+    assert len(operations) == 19, [op.label for op in operations]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
     session = requests.Session()
