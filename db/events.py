@@ -3,8 +3,8 @@ event in the same transaction (reads: db/reads.py).
 
 `INSERT` is the one text of an event's insert: the API's `append_async` (asyncpg) runs it in `APPEND` with the
 outbox row, and the submit's statement (db/jobs.py) composes it with a SELECT from the job it inserts. The control
-plane's `append` keeps its ORM session: the event is an ORM object of its batch, the delivery the same outbox row
-(db/webhooks.py `delivery`), so both sides announce the same events alike.
+plane's `append` runs the same `APPEND` through its SQLAlchemy session (db/sqltext.py turns `$n` into named
+parameters), so both sides write an event and announce it with one statement.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+from sqlalchemy import text
 
 from db import jsonw, webhooks
+from db.sqltext import named, named_params
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from db.models import Job, JobEvent
+    from db.models import Job
 
 INSERT = "INSERT INTO job_events (job_id, seq, attempt, type, data, source_id, created_at)"
 # The event ($1 to $6) and, where $7 (the delivery's id) is not null, its webhook delivery ($7 to $12).
@@ -33,6 +35,7 @@ WITH event AS (
     ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING
 )
 SELECT seq FROM event"""
+APPEND_NAMED = text(named(APPEND))
 
 
 async def append_async(conn: asyncpg.Connection, job: SimpleNamespace, kind: str, data: dict[str, Any], *,
@@ -50,16 +53,14 @@ async def append_async(conn: asyncpg.Connection, job: SimpleNamespace, kind: str
 
 
 def append(session: Session, job: Job, kind: str, data: dict[str, Any], *, attempt: int | None = None,
-               source_id: str | None = None) -> JobEvent:
-    """Add an event to an ORM session; `job` must be locked (FOR UPDATE) or new, so sequence numbers never
-    collide. The control plane's append (ingest, reaper, scheduler)."""
-    from db.models import JobEvent
-
+           source_id: str | None = None) -> int:
+    """The control plane's append (ingest, reaper, scheduler): `APPEND` in the ORM session's transaction, so the
+    event, its delivery and the job's changes commit together or not at all. `job` must be locked (FOR UPDATE)
+    so sequence numbers never collide. Returns the sequence."""
     job.event_seq += 1
-    event = JobEvent(job_id=job.id, seq=job.event_seq, attempt=job.attempt if attempt is None else attempt,
-                     type=kind, data=data, source_id=source_id)
-    session.add(event)
-    # In this same transaction: the event and the delivery that announces it commit together or not at all.
-    webhooks.enqueue(session, job, kind, data, event.seq)
-    return event
-
+    seq = job.event_seq
+    found = webhooks.delivery(job, kind, data, seq,
+                              lambda: session.scalar(webhooks.OWNER_URL_NAMED, named_params(job.owner)))
+    session.execute(APPEND_NAMED, named_params(job.id, seq, job.attempt if attempt is None else attempt, kind,
+                                               jsonw.dumps(data), source_id, *(found or webhooks.NO_DELIVERY)))
+    return seq

@@ -5,7 +5,7 @@ An owner's signing secret is stored sealed (core/secretbox.py): the column holds
 FT_SECRETS_KEY, `secret_prefix` the few characters shown to tell secrets apart, and the secret itself is in the
 answer that made it only.
 
-A delivery row is written by `enqueue`, which `db/events.py` calls for every event it appends, so
+A delivery row is written by `db/events.py`'s `APPEND` with every event it appends (`delivery` gives its values), so
 the row commits or rolls back with the event it tells about (the ingester's batch, a cancel, the reaper's
 requeue): no state change goes unannounced and no announcement has no state change. The control plane's
 deliverer (controlplane/deliverer.py) sends them.
@@ -27,10 +27,9 @@ from core import secretbox, webhooks
 from db import audit
 from db import pool as pg
 from db.errors import NotFound
+from db.sqltext import named
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
     from core.settings import StoreSettings
 
 
@@ -90,11 +89,8 @@ def job_url(job: JobView) -> str | None:
     return notifications.get("webhook_url") if isinstance(notifications, dict) else None
 
 
-INSERT = text("""
-INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
-VALUES (:id, :job_id, :owner, :seq, :event, :url, :receiver, CAST(:payload AS jsonb), now())
-ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING""")
 OWNER_URL = "SELECT url FROM webhook_owners WHERE owner = $1"
+OWNER_URL_NAMED = text(named(OWNER_URL))
 # The outbox row's values, in the order of db/events.py's APPEND ($7 to $12); all None: no delivery.
 NO_DELIVERY: tuple[None, ...] = (None,) * 6
 
@@ -123,18 +119,6 @@ def delivery(job: JobView, kind: str, data: dict[str, Any], seq: int, owner_url:
 
 async def owner_url(conn: asyncpg.Connection, owner: str) -> str | None:
     return await conn.fetchval(OWNER_URL, owner)
-
-
-def enqueue(session: Session, job: JobView, kind: str, data: dict[str, Any], seq: int) -> None:
-    """Add the event's delivery to the session's transaction, where the job or its owner names a URL (the control
-    plane's synchronous append, db/events.py)."""
-    found = delivery(job, kind, data, seq, lambda: session.scalar(text(OWNER_URL.replace("$1", ":owner")),
-                                                                  {"owner": job.owner}))
-    if found is None:
-        return
-    delivery_id, owner, event, url, receiver, payload = found
-    session.execute(INSERT, {"id": delivery_id, "job_id": job.id, "owner": owner, "seq": seq, "event": event,
-                             "url": url, "receiver": receiver, "payload": payload})
 
 
 OWNER_HAS_SECRET = "SELECT EXISTS (SELECT 1 FROM webhook_owners WHERE owner = $1)"

@@ -193,6 +193,27 @@ def test_prebuild_leaves_the_cpu_ops_where_the_ranks_load_them(tmp_path: Path) -
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"removed a build lock a killed build left: {copy / 'cpu_adam' / 'lock'}" in r.stderr, r.stderr
     assert not (copy / "cpu_adam" / "lock").exists()
+    # Every built op was loaded, so ninja checked its objects against the headers installed now.
+    manifest = json.loads((copy / prebuild.MANIFEST).read_text())
+    assert set(manifest["built_in_seconds"]) == _built(copy), manifest
+
+
+def test_packages_installed_anew_make_the_prebuilt_ops_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A venv made anew with the same versions (a fresh clone's `make install` in the same place): the manifest's
+    versions match, but every header is newer than the objects built from it. The prebuild must notice, or the
+    first job's ranks recompile the op inside its time limit."""
+    monkeypatch.setattr(prebuild, "_package_path", lambda package, inner: str(tmp_path / package / inner))
+    include = tmp_path / "torch" / "include"
+    include.mkdir(parents=True)
+    folder = tmp_path / "ops"
+    folder.mkdir()
+    prebuild.write_manifest(folder, {"fingerprint": prebuild.fingerprint(), "ops": {}, "libraries": []})
+    assert prebuild.stale_reason(folder) is None
+    shutil.rmtree(tmp_path / "torch")  # as pip does on a reinstall: the package's files are written anew
+    include.mkdir(parents=True)
+    later = include.stat().st_mtime_ns + 10**9
+    os.utime(include, ns=(later, later))
+    assert prebuild.stale_reason(folder) == "packages changed since the ops were prebuilt"
 
 
 def test_make_install_builds_an_op_that_became_buildable_after_the_first_install(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import argparse
 import fcntl
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -57,6 +58,17 @@ _multiarch = sysconfig.get_config_var("MULTIARCH") or ""
 SYSTEM_PATHS = ("/var/lib/dpkg/status", "/var/lib/rpm", "/var/lib/pacman/local", "/usr/include",
                 "/usr/local/include", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/cuda",
                 *([f"/usr/lib/{_multiarch}", f"/usr/include/{_multiarch}"] if _multiarch else []))
+# The installed packages whose headers and sources the ops compile from. A reinstall of the same versions (a
+# venv made anew) writes them anew, and ninja then sees every object older than its headers: unless the
+# prebuild notices and asks ninja, the first job to load an op recompiles it inside its time limit.
+PACKAGE_PATHS = (("torch", "include"), ("deepspeed", "ops/csrc"), ("deepspeed", "ops/op_builder"))
+
+
+def _package_path(package: str, inner: str) -> str | None:
+    spec = importlib.util.find_spec(package)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(next(iter(spec.submodule_search_locations))) / inner)
 
 
 def fingerprint() -> dict[str, Any]:
@@ -76,8 +88,10 @@ def fingerprint() -> dict[str, Any]:
 
     env = {k: v for k, v in os.environ.items() if k in BUILD_ENV or k.startswith("DS_BUILD_")}
     system = hashlib.sha256(json.dumps([[p, changed(p)] for p in SYSTEM_PATHS]).encode()).hexdigest()[:16]
+    paths = [path for package, inner in PACKAGE_PATHS if (path := _package_path(package, inner))]
+    packages = hashlib.sha256(json.dumps([[p, changed(p)] for p in paths]).encode()).hexdigest()[:16]
     return {"deepspeed": version("deepspeed"), "torch": version("torch"), "python": sys.prefix,
-            "env": dict(sorted(env.items())), "system": system}
+            "env": dict(sorted(env.items())), "system": system, "packages": packages}
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
@@ -154,10 +168,12 @@ def survey(folder: Path) -> tuple[str, dict[str, str], set[str]]:
 
 
 def build(folder: Path) -> dict[str, Any]:
-    """Build every op this node can build and the manifest lacks; returns the new manifest. Run under
-    `exclusive(folder)`."""
+    """Build every op this node can build and bring every built one up to date; returns the new manifest. Run
+    under `exclusive(folder)`. Each op is loaded, so its build (ninja) decides what to compile: nothing where
+    every object is newer than its sources and headers, a few seconds; the stale objects where packages were
+    reinstalled since."""
     now = fingerprint()  # before the survey: a change made while it runs shows at the next check
-    device, cannot, built = survey(folder)
+    device, cannot, _ = survey(folder)
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -166,10 +182,9 @@ def build(folder: Path) -> dict[str, Any]:
     for name in OPS_BY_ACCELERATOR.get(device, []):
         if name in cannot:
             continue
-        if name not in built:
-            started = time.monotonic()
-            accelerator.create_op_builder(name).load(verbose=False)
-            timings[name] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+        accelerator.create_op_builder(name).load(verbose=False)
+        timings[name] = round(time.monotonic() - started, 1)
         ops[name] = "built"
     libraries = sorted(str(p.relative_to(folder)) for p in folder.glob("*/*.so"))
     manifest = {"fingerprint": now, "accelerator": device, "ops": ops, "libraries": libraries,
