@@ -4,10 +4,13 @@ declared once and cannot drift between them."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from store.objects import Store
 
 
 class SharedSettings(BaseSettings):
@@ -21,6 +24,10 @@ class SharedSettings(BaseSettings):
     broker_url: str | None = None  # defaults to redis_url
     # Shared storage: the API and every worker see the same paths.
     artifacts_root: str = "./var/artifacts"
+    # The artifact store (store/): uploaded files and exports. file://<folder> on one machine; s3://<bucket>/<prefix>
+    # for a cluster, with the S3 server's URL (unset for AWS) and the standard AWS_* credentials.
+    store_url: str = "file://./var/store"
+    s3_endpoint_url: str | None = None
     # A worker renews its lease at least this often; after Redis lost its data, a live worker re-creates its lease
     # within one TTL, so the control plane counts no missing lease before then.
     lease_ttl_seconds: float = 10.0
@@ -32,6 +39,19 @@ class SharedSettings(BaseSettings):
     @property
     def development(self) -> bool:
         return self.env == "development"
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if not value.startswith(("file://", "s3://")) or value in ("file://", "s3://"):
+            raise ValueError("the store is file://<folder> or s3://<bucket>/<prefix>")
+        return value
+
+    def store(self) -> Store:
+        """The artifact store these settings name."""
+        from store.objects import Store
+
+        return Store(self.store_url, self.s3_endpoint_url)
 
 
 class StoreSettings(SharedSettings):

@@ -22,6 +22,7 @@ import redis
 from scripts.corpus import write_corpus
 from scripts.stack import ROOT, Stack, migrate
 from tests.helpers import free_port
+from tests.s3_support import S3Server
 
 PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname=postgres")
 # Under pytest-xdist each worker process is a session of its own: its own database, stack and Redis database.
@@ -69,8 +70,18 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def stack_env(database: str, redis_url: str, roots: dict[str, Path]) -> dict[str, str]:
+def s3(roots: dict[str, Path]) -> Iterator[S3Server]:
+    """A real S3-protocol server on this machine: the session stack's artifact store."""
+    server = S3Server(roots["logs"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_env(database: str, redis_url: str, roots: dict[str, Path], s3: S3Server) -> dict[str, str]:
     return {
+        # The session's store is S3, as a cluster's is; tests/test_store.py runs both kinds of store.
+        **s3.env(s3.bucket()),
         "FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_PORT": str(free_port()),
         "FT_ARTIFACTS_ROOT": str(roots["artifacts"]), "FT_MODEL_ROOT": str(roots["models"]),
         "FT_DATA_ROOT": str(roots["data"]), "FT_NVME_ROOT": str(roots["artifacts"] / "nvme"),

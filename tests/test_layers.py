@@ -1,9 +1,9 @@
 """The layout's rules, read from the code itself: which package may import which, where SQL may be written, and
 where a job status or event kind may be spelled as a string (docs/architecture.md).
 
-The layers, lowest first: contract (the torch-free names and job spec) < core (settings, secrets, webhook rules)
-< db (every SQL statement) < api | controlplane | worker (the processes); trainer runs under the DeepSpeed
-launcher and shares only the contract.
+The layers, lowest first: contract (the torch-free names and job spec) and store (the artifact store's client)
+< core (settings, secrets, webhook rules) < db (every SQL statement) < api | controlplane | worker (the
+processes); trainer runs under the DeepSpeed launcher and shares only the contract and the store.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from pathlib import Path
 from contract.codes import EventKind, JobStatus
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "core", "db", "api", "controlplane", "worker", "trainer", "ftcli")
+PACKAGES = ("contract", "store", "core", "db", "api", "controlplane", "worker", "trainer", "ftcli")
 # What each package may import of the project (itself always).
 ALLOWED = {
     "contract": set(),
-    "core": {"contract"},
+    "store": set(),
+    "core": {"contract", "store"},
     "db": {"contract", "core"},
-    "api": {"contract", "core", "db"},
-    "controlplane": {"contract", "core", "db"},
-    "worker": {"contract", "core", "trainer"},
-    "trainer": {"contract"},
+    "api": {"contract", "store", "core", "db"},
+    "controlplane": {"contract", "store", "core", "db"},
+    "worker": {"contract", "store", "core", "trainer"},
+    "trainer": {"contract", "store"},
     "ftcli": {"contract"},
 }
 SQL = re.compile(r"^\s*(SELECT|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|WITH\s+\w+\s+AS|LISTEN|NOTIFY)\b")

@@ -1,0 +1,234 @@
+"""One client for the artifact store, on obstore (Rust's object_store): the same calls for a local folder and
+for S3, multipart uploads of streamed bytes that are aborted when the stream fails (nothing half-written is left
+or listed), ranged reads, and an async twin of each call for the API's event loop.
+
+Every upload goes through `put` or `put_async`, which hash the bytes on the way: the store's answer for a key is
+its size and SHA-256, computed once, here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import obstore
+from obstore.store import LocalStore, S3Store
+
+# Parts of a multipart upload, and a read's chunks: large enough for S3's minimum part (5 MiB) and throughput,
+# small enough that a process streaming many files holds little.
+CHUNK_BYTES = 8 << 20
+NotFound = FileNotFoundError
+
+
+class TooLarge(Exception):
+    """The bytes went past the limit the caller set; nothing was stored."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"more than {limit} bytes")
+        self.limit = limit
+
+
+class BadURL(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Stored:
+    key: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Listed:
+    key: str
+    bytes: int
+
+
+def _hashed(chunks: Iterable[bytes], digest: Any, limit: int | None) -> Iterator[bytes]:
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        if limit is not None and total > limit:
+            raise TooLarge(limit)
+        digest.update(chunk)
+        yield chunk
+
+
+async def _hashed_async(chunks: AsyncIterable[bytes], digest: Any, limit: int | None) -> AsyncIterator[bytes]:
+    total = 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if limit is not None and total > limit:
+            raise TooLarge(limit)
+        digest.update(chunk)
+        yield chunk
+
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            yield chunk
+
+
+class Store:
+    """The store `url` names. `endpoint` is an S3 server's URL (FT_S3_ENDPOINT_URL): unset for AWS itself.
+    Credentials come from the standard AWS_* variables."""
+
+    def __init__(self, url: str, endpoint: str | None = None) -> None:
+        parsed = urlparse(url)
+        self.url = url
+        if parsed.scheme == "file":
+            root = Path(parsed.netloc + parsed.path).resolve()
+            self._store: Any = LocalStore(root, mkdir=True)
+            self.where = str(root)
+        elif parsed.scheme == "s3":
+            if not parsed.netloc:
+                raise BadURL(f"{url!r} names no bucket: s3://<bucket>/<prefix>")
+            options: dict[str, Any] = {}
+            config: dict[str, Any] = {}
+            if endpoint:
+                config["endpoint"] = endpoint
+                if endpoint.startswith("http://"):
+                    options["allow_http"] = True
+            prefix = parsed.path.strip("/") or None
+            self._store = S3Store(parsed.netloc, prefix=prefix, client_options=options or None, **config)
+            self.where = url
+        else:
+            raise BadURL(f"{url!r}: the store is file://<folder> or s3://<bucket>/<prefix>")
+
+    def __repr__(self) -> str:
+        return f"Store({self.where!r})"
+
+    # Writes: streamed, hashed, all or nothing.
+    def put(self, key: str, chunks: Iterable[bytes], *, limit: int | None = None) -> Stored:
+        digest = hashlib.sha256()
+        counted = _Counted(_hashed(chunks, digest, limit))
+        obstore.put(self._store, key, counted, chunk_size=CHUNK_BYTES)
+        return Stored(key, counted.total, digest.hexdigest())
+
+    async def put_async(self, key: str, chunks: AsyncIterable[bytes], *, limit: int | None = None) -> Stored:
+        digest = hashlib.sha256()
+        counted = _CountedAsync(_hashed_async(chunks, digest, limit))
+        await obstore.put_async(self._store, key, counted, chunk_size=CHUNK_BYTES)
+        return Stored(key, counted.total, digest.hexdigest())
+
+    def put_file(self, key: str, path: Path) -> Stored:
+        return self.put(key, _file_chunks(path))
+
+    def put_bytes(self, key: str, data: bytes) -> Stored:
+        obstore.put(self._store, key, data)
+        return Stored(key, len(data), hashlib.sha256(data).hexdigest())
+
+    # Reads.
+    def head(self, key: str) -> int | None:
+        """The object's size, or None where there is none."""
+        try:
+            return int(obstore.head(self._store, key)["size"])
+        except FileNotFoundError:
+            return None
+
+    async def head_async(self, key: str) -> int | None:
+        try:
+            return int((await obstore.head_async(self._store, key))["size"])
+        except FileNotFoundError:
+            return None
+
+    def get_bytes(self, key: str) -> bytes:
+        return bytes(obstore.get(self._store, key).bytes())
+
+    def iter(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """The object's bytes [start, end) in chunks; raises NotFound."""
+        found = obstore.get(self._store, key, options=_range(start, end))
+        for chunk in found.stream(min_chunk_size=CHUNK_BYTES):
+            yield bytes(chunk)
+
+    async def iter_async(self, key: str, start: int = 0, end: int | None = None) -> AsyncIterator[bytes]:
+        found = await obstore.get_async(self._store, key, options=_range(start, end))
+        async for chunk in found.stream(min_chunk_size=CHUNK_BYTES):
+            yield bytes(chunk)
+
+    def download(self, key: str, dest: Path, *, sha256: str | None = None) -> Stored:
+        """The object into `dest`, whole or not at all (a temporary file beside it, renamed), its SHA-256
+        checked where given: a mismatch raises ValueError and leaves nothing."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        digest = hashlib.sha256()
+        total = 0
+        try:
+            with part.open("wb") as f:
+                for chunk in self.iter(key):
+                    digest.update(chunk)
+                    total += len(chunk)
+                    f.write(chunk)
+            if sha256 is not None and digest.hexdigest() != sha256:
+                raise ValueError(f"{key}: SHA-256 {digest.hexdigest()} where {sha256} was recorded")
+            part.replace(dest)
+        finally:
+            part.unlink(missing_ok=True)
+        return Stored(key, total, digest.hexdigest())
+
+    def list(self, prefix: str) -> list[Listed]:
+        return [Listed(m["path"], int(m["size"])) for page in obstore.list(self._store, prefix)
+                for m in page]
+
+    # Deletes: a missing key is already gone.
+    def delete(self, key: str) -> None:
+        try:
+            obstore.delete(self._store, key)
+        except FileNotFoundError:
+            pass
+
+    async def delete_async(self, key: str) -> None:
+        try:
+            await obstore.delete_async(self._store, key)
+        except FileNotFoundError:
+            pass
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = [item.key for item in self.list(prefix)]
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+
+def _range(start: int, end: int | None) -> dict[str, Any] | None:
+    if start == 0 and end is None:
+        return None
+    return {"range": (start, end) if end is not None else {"offset": start}}
+
+
+class _Counted:
+    """An iterator that counts the bytes it passes on."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self.total = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._chunks:
+            self.total += len(chunk)
+            yield chunk
+
+
+class _CountedAsync:
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self.total = 0
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._gen()
+
+    async def _gen(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            self.total += len(chunk)
+            yield chunk
+
+
+def open_store(url: str, endpoint: str | None = None) -> Store:
+    return Store(url, endpoint)

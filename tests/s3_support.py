@@ -1,0 +1,59 @@
+"""A real S3-protocol server for the tests: moto's standalone server, started on this machine on a free port.
+
+The service speaks to it as to any S3-compatible store (FT_STORE_URL=s3://..., FT_S3_ENDPOINT_URL); nothing in
+the service knows it is moto.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+
+from tests.helpers import free_port, wait_for
+
+# Any credentials: the server accepts all; the service reads them from the standard variables.
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "tests", "AWS_SECRET_ACCESS_KEY": "tests-secret", "AWS_REGION": "us-east-1"}
+
+
+class S3Server:
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        self._log = (log_dir / f"s3-{self.port}.log").open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **CREDENTIALS})
+        wait_for(self._up, 60, f"the S3 server on {self.endpoint}")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the S3 server exited with {self.proc.returncode}")
+        try:
+            return httpx.get(self.endpoint, timeout=2).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    def bucket(self) -> str:
+        """A new, empty bucket."""
+        name = f"ft-{uuid.uuid4().hex[:12]}"
+        answer = httpx.put(f"{self.endpoint}/{name}", timeout=10)
+        assert answer.status_code == 200, answer.text
+        return name
+
+    def env(self, bucket: str, prefix: str = "service") -> dict[str, str]:
+        """What a process of the service needs to use `bucket` as its store."""
+        return {"FT_STORE_URL": f"s3://{bucket}/{prefix}", "FT_S3_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
