@@ -82,7 +82,7 @@ class Store:
 
     def __init__(self, url: str, endpoint: str | None = None) -> None:
         parsed = urlparse(url)
-        self.url = url
+        self.url, self.endpoint = url, endpoint
         if parsed.scheme == "file":
             root = Path(parsed.netloc + parsed.path).resolve()
             self._store: Any = LocalStore(root, mkdir=True)

@@ -1,0 +1,134 @@
+"""The artifact store's client (store/objects.py) against both kinds of store, a folder and a real S3 server, and
+a node's cache of stored objects (store/cache.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from store.cache import CacheFull, NodeCache
+from store.objects import Store, TooLarge
+from tests.s3_support import CREDENTIALS, S3Server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    if request.param == "file":
+        return Store(f"file://{tmp_path / 'store'}")
+    server: S3Server = request.getfixturevalue("s3_server")
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    return Store(f"s3://{server.bucket()}/prefix", server.endpoint)
+
+
+def chunks(n: int, size: int = 1 << 20) -> Iterator[bytes]:
+    for i in range(n):
+        yield bytes([i % 251]) * size
+
+
+def test_a_streamed_upload_is_stored_whole_with_its_size_and_sha256(store: Store) -> None:
+    data = b"".join(chunks(20))
+    stored = store.put("files/one", chunks(20))
+    assert (stored.bytes, stored.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert store.head("files/one") == len(data) and store.head("files/none") is None
+    assert [(i.key, i.bytes) for i in store.list("files/")] == [("files/one", len(data))]
+    assert b"".join(store.iter("files/one")) == data
+    assert b"".join(store.iter("files/one", 5, 1 << 21)) == data[5:1 << 21]
+    assert b"".join(store.iter("files/one", len(data) - 3)) == data[-3:]
+
+
+def test_an_upload_that_fails_half_way_or_passes_its_limit_leaves_nothing(store: Store) -> None:
+    async def broken() -> AsyncIterator[bytes]:
+        for chunk in chunks(12):
+            yield chunk
+        raise ConnectionResetError("the client went away")
+
+    with pytest.raises(ConnectionResetError):
+        asyncio.run(store.put_async("files/broken", broken()))
+    with pytest.raises(TooLarge):
+        store.put("files/big", chunks(12), limit=10 << 20)
+    assert store.list("") == []
+
+
+def test_a_download_whose_bytes_differ_from_the_recorded_sha256_leaves_nothing(store: Store, tmp_path: Path) -> None:
+    store.put_bytes("files/x", b"hello")
+    with pytest.raises(ValueError, match="SHA-256"):
+        store.download("files/x", tmp_path / "got" / "x", sha256="0" * 64)
+    assert list((tmp_path / "got").iterdir()) == []
+    assert store.download("files/x", tmp_path / "got" / "x").bytes == 5
+    assert (tmp_path / "got" / "x").read_bytes() == b"hello"
+    assert store.delete_prefix("files/") == 1 and store.list("") == []
+
+
+def _put(store: Store, key: str, data: bytes) -> str:
+    return store.put_bytes(key, data).sha256
+
+
+def test_the_cache_downloads_once_keeps_what_jobs_hold_and_evicts_the_least_recently_used(store: Store,
+                                                                                         tmp_path: Path) -> None:
+    cache = NodeCache(tmp_path / "cache", max_bytes=300)
+    a, b, c = (_put(store, f"files/{n}", n.encode() * 100) for n in "abc")
+    path_a, hold_a = cache.fetch(store, "files/a", a, 100)
+    inode = path_a.stat().st_ino
+    again, hold_again = cache.fetch(store, "files/a", a, 100)
+    assert again == path_a and path_a.stat().st_ino == inode, "a cached copy was downloaded again"
+    hold_again.close()
+    _, hold_b = cache.fetch(store, "files/b", b, 100)
+    hold_b.close()
+    os.utime(cache.path(b), (1, 1))  # b is the least recently used
+    _, hold_c = cache.fetch(store, "files/c", c, 100)
+    hold_c.close()
+    d = _put(store, "files/d", b"d" * 100)
+    _, hold_d = cache.fetch(store, "files/d", d, 100)
+    assert not cache.path(b).exists(), "the least recently used entry was kept"
+    assert cache.path(a).exists(), "an entry a job holds was evicted"
+    os.utime(cache.path(a), (0, 0))  # now the oldest, but still held
+    e = _put(store, "files/e", b"e" * 100)
+    cache.fetch(store, "files/e", e, 100)[1].close()
+    assert cache.path(a).read_bytes() == b"a" * 100 and not cache.path(c).exists()
+    hold_a.close()
+    hold_d.close()
+    with pytest.raises(CacheFull):
+        cache.fetch(store, "files/f", _put(store, "files/f", b"f" * 400), 400)
+    with pytest.raises(ValueError, match="SHA-256"):
+        cache.fetch(store, "files/a", "1" * 64, 100)
+    assert not cache.path("1" * 64).exists()
+
+
+FETCH = """
+import sys
+from pathlib import Path
+from store.cache import NodeCache
+from store.objects import Store
+store = Store(sys.argv[1], sys.argv[2] or None)
+path, hold = NodeCache(Path(sys.argv[3]), 1 << 30).fetch(store, "files/big", sys.argv[4], int(sys.argv[5]))
+print(path.stat().st_ino)
+"""
+
+
+def test_two_slots_fetching_the_same_object_at_once_download_it_once(store: Store, tmp_path: Path) -> None:
+    stored = store.put("files/big", chunks(16))
+    argv = [sys.executable, "-c", FETCH, store.url, store.endpoint or "", str(tmp_path / "cache"), stored.sha256,
+            str(stored.bytes)]
+    procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(inodes) == 1, "each slot wrote its own copy"
+    leftovers = [p.name for p in (tmp_path / "cache" / "sha256").iterdir() if p.name.endswith(".part")]
+    assert leftovers == []
