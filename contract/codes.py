@@ -97,5 +97,6 @@ class FailureCode(str, enum.Enum):
     KILLED = "killed"  # a rank ended by a signal nothing in the service sent
     TIME_LIMIT = "time_limit"
     WORKER_ERROR = "worker_error"  # the supervisor itself failed
+    INPUT_UNAVAILABLE = "input_unavailable"  # a stored input could not be fetched into the node's cache
     # Decided by the control plane (controlplane/reaper.py).
     WORKER_LOST = "worker_lost"

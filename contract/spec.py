@@ -261,13 +261,24 @@ class ModelSpec(_Strict):
                                     "`gpu` extra); torch: the model's own modules. The started event says what ran")
 
 
+# What `POST /files` names its files; a data field holding one is a file of the store, not a path.
+FILE_ID_PREFIX = "file_"
+
+
+def is_file_id(value: str) -> bool:
+    return value.startswith(FILE_ID_PREFIX) and "/" not in value
+
+
 class DataSpec(_Strict):
     train: Text = Field(min_length=1, max_length=MAX_PATH_CHARS,
-                        description="Training file, a path under the data root")
+                        description="Training data: a file id (`file_…`, from POST /files) of the caller's that "
+                                    "is processed, or a path under the data root")
     validation: Text | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
-                                    description="Validation file, a path under the data root")
+                                    description="Validation data: a processed file id of the caller's, or a path "
+                                                "under the data root")
     validation_fraction: StrictFloat = Field(default=0.0, ge=0.0, lt=0.5)
-    format: Literal["text", "jsonl", "chat"] = "text"
+    format: Literal["text", "jsonl", "chat"] = Field(
+        default="text", description="For a file id, the file's own format when unset (and it must agree when set)")
     text_field: Text = Field(default="text", min_length=1, max_length=200, description="JSONL field holding the text")
     packing: StrictBool = True
 
@@ -457,6 +468,16 @@ class JobSpec(Shown):
         return self
 
 
+class StoredInput(_Strict):
+    """A stored file a job reads, as the submit found it: each node fetches it by key into its cache and checks
+    the bytes against `sha256`, so a job reads exactly what was validated."""
+
+    file_id: str
+    key: str
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class ResolvedJob(_Strict):
     """A job with every choice made: no `auto` left, the DeepSpeed JSON rendered, the reasons kept."""
 
@@ -468,6 +489,8 @@ class ResolvedJob(_Strict):
     notes: list[str] = Field(default_factory=list)
     # True when the micro batch came from an estimate: a trainer on a GPU replaces it with a measured choice.
     micro_batch_auto: bool = False
+    # The stored files of the spec's data fields, by field ("data.train", "data.validation").
+    inputs: dict[str, StoredInput] = Field(default_factory=dict)
 
 
 class RunPaths(_Strict):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 COMPOSE = Path(__file__).parent.parent / "docker-compose.yml"
-ENV = {**os.environ, "POSTGRES_PASSWORD": "p"}
+ENV = {**os.environ, "POSTGRES_PASSWORD": "p", "MINIO_ROOT_PASSWORD": "m"}
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
@@ -29,7 +29,12 @@ def test_compose_file_is_valid_for_docker_compose() -> None:
 def test_compose_stack_has_the_production_pieces() -> None:
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert {"postgres", "redis", "migrate", "api", "controlplane", "worker"} <= set(services)
+    assert {"postgres", "redis", "minio", "store-bucket", "migrate", "api", "controlplane", "worker"} <= set(services)
+    # The store is S3 (MinIO), its bucket made before the API, the control plane or a worker starts.
+    for name in ("api", "controlplane", "worker"):
+        assert services[name]["depends_on"]["store-bucket"]["condition"] == "service_completed_successfully"
+        assert services[name]["environment"]["FT_STORE_URL"].startswith("s3://finetune/")
+    assert "mc mb --ignore-existing store/finetune" in " ".join(services["store-bucket"]["entrypoint"])
     assert "--appendonly" in services["redis"]["command"]
     assert services["api"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]

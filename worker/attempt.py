@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import RunSpec
 from trainer import fence, swap
+from worker import inputs
 from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
@@ -200,22 +202,53 @@ class Attempt:
             return Outcome(Status.STALE)
         # The contract, checked as the trainer will check it: a malformed message fails here, visibly.
         spec = RunSpec.model_validate(self.run_spec)
-        spec_file, log_dir, output_dir = self.prepare(spec)
-        ext_dir = extensions_dir(self.settings)
-        gang = None
-        if spec.placement is not None and spec.placement.num_nodes > 1:
-            gang = self.gang.rendezvous(spec.placement, self.attempt_dir / f"hostfile{self.suffix}",
-                                        stopped=lambda: self.control() is not None)
-            if gang is None:
-                return self.decide(self.control(), None, output_dir, 0)
-        time_limit = spec.job.spec.resources.time_limit_seconds
-        run = self.launch(spec, spec_file, log_dir, ext_dir, gang)
-        deadline = time.monotonic() + time_limit
-        try:
-            self.watch(run, deadline)
-        finally:
-            gone = self.end(run)
-        return self.conclude(run, gone, ext_dir, output_dir, time_limit)
+        with ExitStack() as holds:
+            unavailable = self.fetch_inputs(spec, holds)
+            if unavailable is not None:
+                return unavailable
+            spec_file, log_dir, output_dir = self.prepare(spec)
+            ext_dir = extensions_dir(self.settings)
+            gang = None
+            if spec.placement is not None and spec.placement.num_nodes > 1:
+                gang = self.gang.rendezvous(spec.placement, self.attempt_dir / f"hostfile{self.suffix}",
+                                            stopped=lambda: self.control() is not None)
+                if gang is None:
+                    return self.decide(self.control(), None, output_dir, 0)
+            time_limit = spec.job.spec.resources.time_limit_seconds
+            run = self.launch(spec, spec_file, log_dir, ext_dir, gang)
+            deadline = time.monotonic() + time_limit
+            try:
+                self.watch(run, deadline)
+            finally:
+                gone = self.end(run)
+            return self.conclude(run, gone, ext_dir, output_dir, time_limit)
+
+    def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> Outcome | None:
+        """The job's stored files into this node's cache, the run spec pointed at them (worker/inputs.py), with
+        the lease renewed while they download; a failed outcome where one cannot be fetched."""
+        if not spec.job.inputs:
+            return None
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def download() -> None:
+            try:
+                inputs.fetch(self.settings, self.run_spec, spec.job.inputs, holds)
+            except BaseException as exc:  # reported below, in this thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=download, name=f"inputs-{self.job_id}", daemon=True).start()
+        while not done.wait(self.settings.heartbeat_seconds):
+            self.lease.renew(self.settings.lease_ttl_seconds)
+        if not failure:
+            return None
+        exc = failure[0]
+        if not isinstance(exc, inputs.InputUnavailable):
+            raise exc
+        self.note(str(exc), **self.where)
+        return Outcome(Status.FAILED, error={"code": FailureCode.INPUT_UNAVAILABLE, "message": str(exc)})
 
     def launch(self, spec: RunSpec, spec_file: Path, log_dir: Path, ext_dir: Path,
                gang: GangLaunch | None) -> Launched:

@@ -19,6 +19,9 @@ class WorkerSettings(SharedSettings):
     log_tail_lines: int = 40
     # DeepSpeed builds its C++/CUDA ops on first use; they are cached here, one folder per installation.
     extensions_dir: str = "~/.cache/finetune/torch_extensions"
+    # The node's copies of stored files its jobs read (store/cache.py): least recently used go first past the bound.
+    cache_root: str = "./var/cache"
+    cache_max_bytes: int = 100 * 1024**3
     # How much of the node's CPU the launcher and ranks may take from the worker, its guards and whatever else
     # runs there (worker/priority.py): normal, low (nice 10) or idle (SCHED_IDLE; scripts.stack's default).
     trainer_priority: Priority = "low"

@@ -69,7 +69,7 @@ async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
     await webhooks.check_job(spec=spec, caller=caller, settings=settings)
     if dry_run:
         nodes = json.loads(await reads.nodes(settings.lease_grace_seconds))["data"]
-        answer = service.dry_run(settings=settings, spec=spec, caller=caller, nodes=nodes)
+        answer = await service.dry_run(settings=settings, spec=spec, caller=caller, nodes=nodes)
         return JSONBytes(answer.model_dump_json().encode())
     status, body = await service.create(settings=settings, spec=spec, caller=caller, idempotency_key=idempotency_key)
     return JSONBytes(body, status_code=status)

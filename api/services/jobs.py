@@ -15,6 +15,7 @@ import redis
 
 from api.access import Principal
 from api.errors import invalid
+from api.services import inputs
 from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations, root_path
 from api.settings import ApiSettings, quota_defaults
@@ -29,21 +30,23 @@ def new_id() -> str:
     return "job_" + secrets.token_hex(10)
 
 
-def prepare(*, settings: ApiSettings, spec: JobSpec) -> tuple[dict[str, Any], ResolvedJob]:
+async def prepare(*, settings: ApiSettings, spec: JobSpec, owner: str) -> tuple[dict[str, Any], ResolvedJob]:
     """What a submit checks and resolves (and a dry run, through the same function, so both refuse alike): the
     request as sent and its resolution, or a 422 naming every bad field."""
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
+    errors += await inputs.resolve(resolved, owner)
     if errors:
         raise invalid(errors)
     return request, resolved
 
 
-def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal, nodes: list[dict[str, Any]]) -> DryRun:
+async def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
+                  nodes: list[dict[str, Any]]) -> DryRun:
     """A submit up to its resolution, then an estimate instead of the insert: no row, event, audit entry, quota
     use or idempotency record. `nodes`: the cluster as GET /nodes shows it."""
-    request, resolved = prepare(settings=settings, spec=spec)
+    request, resolved = await prepare(settings=settings, spec=spec, owner=caller.owner)
     r = resolved.spec.resources
     job = dict(name=spec.name, owner=caller.owner, queue=spec.resources.queue, gpus=r.num_gpus * r.num_nodes,
                request=request, resolved=resolved.model_dump(mode="json"))
@@ -58,7 +61,7 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
     control plane's dispatcher sends it to the workers (woken by the row's trigger), so a submit never waits
     on Redis or the broker. Returns the status and JSON to answer with: for a retry with the same
     Idempotency-Key and body, those of the first answer."""
-    request, resolved = prepare(settings=settings, spec=spec)
+    request, resolved = await prepare(settings=settings, spec=spec, owner=caller.owner)
     job_id = new_id()
     resources = resolved.spec.resources
     job = store.NewJob(id=job_id, name=spec.name, queue=spec.resources.queue, request=request,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from api.settings import ApiSettings
 from contract.problems import FieldError
-from contract.spec import JobSpec
+from contract.spec import JobSpec, is_file_id
 from contract.stages import local_family_problem
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -82,10 +82,11 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
                                      f"is not allowed for {name!r}: the operator must list the model in "
                                      "FT_TRUST_REMOTE_CODE_MODELS before its own code may run"))
     data = spec.data
-    train = _file_under(settings.data_root, data.train, "data.train", errors)
+    # A file id is a stored file, checked against the caller's files (api/services/inputs.py), not the disk.
+    train = None if is_file_id(data.train) else _file_under(settings.data_root, data.train, "data.train", errors)
     if train:
         data.train = train
-    if data.validation is not None:
+    if data.validation is not None and not is_file_id(data.validation):
         val = _file_under(settings.data_root, data.validation, "data.validation", errors)
         if val:
             data.validation = val
