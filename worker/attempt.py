@@ -467,9 +467,21 @@ class Attempt:
             delay = min(delay * 2, 5.0)
 
 
+def on_this_node(settings: WorkerSettings, job_id: str, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The job's folder under this node's own FT_ARTIFACTS_ROOT, and the run spec's paths moved into it. A node's
+    folder is scratch: what must outlive the node (checkpoints, the export) is in the artifact store, so no node
+    needs another's disk, and the folder the API named at submit is only where it would be on the API's host."""
+    job_dir = Path(settings.artifacts_root).expanduser().resolve() / "jobs" / job_id
+    paths = {**run.get("paths", {}), "job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "checkpoints"),
+             "output_dir": str(job_dir / "output")}
+    return job_dir, {**run, "paths": paths}
+
+
 def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,
               client: redis.Redis | None = None, stopping: Callable[[], bool] = lambda: False) -> Status:
-    """Run one attempt to its end; `stopping` says when the worker itself is shutting down."""
+    """Run one attempt to its end; `stopping` says when the worker itself is shutting down. `job_dir` is the
+    folder the submit named; the attempt runs in this node's own (`on_this_node`)."""
+    local_dir, run = on_this_node(settings, job_id, run)
     r = client or redis.Redis.from_url(settings.redis_url)
     current = r.get(attempt_key(job_id))
     if current is not None and int(current) != attempt:
@@ -479,7 +491,7 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
     if not r.set(claim_key(job_id, attempt, part), worker_id(), nx=True, ex=30 * 24 * 3600):
         log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
         return Status.STALE
-    att = Attempt(job_id=job_id, attempt=attempt, job_dir=Path(job_dir), run=run, settings=settings, client=r,
+    att = Attempt(job_id=job_id, attempt=attempt, job_dir=local_dir, run=run, settings=settings, client=r,
                   stopping=stopping)
     att.lease.renew(settings.lease_ttl_seconds)
     if r.exists(cancel_key(job_id)):
