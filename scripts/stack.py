@@ -119,9 +119,10 @@ class Stack:
         settings = StackSettings.of(self.env)
         return f"http://{settings.host}:{settings.port}"
 
-    def _start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None,
+               prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
         out = (self.log_dir / f"{name}.log").open("ab")
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **(extra_env or {})}, stdout=out,
+        proc = subprocess.Popen([*(prefix or []), *argv], cwd=ROOT, env={**self.env, **(extra_env or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = proc
         return proc
@@ -139,10 +140,12 @@ class Stack:
         self._start("controlplane", [sys.executable, "-m", "controlplane"])
 
     def start_worker(self, name: str = "worker1", queues: str | None = None, *, node: str | None = None,
-                     slots: int | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                     slots: int | None = None, env: dict[str, str] | None = None,
+                     prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
         """One node's worker (`python -m worker`: a threads pool, one thread per slot, consuming only the
         node's own queue). Its node is `node`, else FT_NODE_NAME, else `name`: the tests' workers are
-        nodes of their own on one host."""
+        nodes of their own on one host. `prefix` runs it elsewhere (`ip netns exec HOST`: another host's
+        network); it must exec the worker, so the process started is the worker itself."""
         settings = StackSettings.of(self.env)
         extra = {"FT_QUEUES": queues or settings.queues, "FT_NODE_NAME": node or settings.node_name or name,
                  # The stack's nodes are processes of this one host: a multi-node job meets on the loopback.
@@ -150,7 +153,7 @@ class Stack:
         if slots is not None:
             extra["FT_NODE_SLOTS"] = str(slots)
         extra.update(env or {})
-        return self._start(name, [sys.executable, "-m", "worker"], extra)
+        return self._start(name, [sys.executable, "-m", "worker"], extra, prefix)
 
     def wait_ready(self, timeout: float = 60) -> None:
         end = time.monotonic() + timeout

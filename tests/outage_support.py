@@ -103,16 +103,17 @@ class PrivatePostgres:
 class PrivateRedis:
     """A redis-server that keeps nothing on disk: killing it and starting it again loses every key."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server must be on PATH for the outage tests")
+        self.host = host
         self.port = free_port()
         self.log = log_dir / f"redis-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)
@@ -120,7 +121,8 @@ class PrivateRedis:
     def start(self) -> None:
         out = self.log.open("ab")
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            ["redis-server", "--port", str(self.port), "--bind", self.host, "--protected-mode", "no", "--save", "",
+             "--appendonly", "no",
              "--dir", str(self.log.parent)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         end = time.monotonic() + 20
         while time.monotonic() < end:
