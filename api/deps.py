@@ -11,6 +11,7 @@ from fastapi import Depends, Path, Request
 from api import reads
 from api.access import Principal, Scope
 from api.settings import ApiSettings, get_settings
+from store.objects import Store
 
 
 @lru_cache
@@ -27,8 +28,18 @@ async def _redis_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> re
     return _redis(settings.redis_url)
 
 
+@lru_cache
+def _store(url: str, endpoint: str | None) -> Store:
+    return Store(url, endpoint)
+
+
+async def _store_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> Store:
+    return _store(settings.store_url, settings.s3_endpoint_url)
+
+
 SettingsDep = Annotated[ApiSettings, Depends(_settings)]
 RedisDep = Annotated[redis.Redis, Depends(_redis_dep)]
+StoreDep = Annotated[Store, Depends(_store_dep)]
 
 
 async def _caller(request: Request) -> Principal:

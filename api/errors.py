@@ -38,6 +38,7 @@ class ErrorCode(str, Enum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    FILE_IN_USE = "file_in_use"
     QUOTA_EXCEEDED = "quota_exceeded"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNAVAILABLE = "unavailable"
@@ -62,11 +63,15 @@ class ErrorResponse(BaseModel):
 
 
 _DESCRIPTIONS = {
+    400: "The body is not what the content type says (a multipart body cut short); `field` names the part",
     401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired",
     403: "The key lacks the scope this needs; the message names it",
     404: "No such job or key (another owner's job is not found either)",
-    409: "The job's state does not allow this, or the Idempotency-Key was used with another body",
-    413: "The body is larger than the limit (1 MiB)",
+    409: "The job's state does not allow this, the Idempotency-Key was used with another body, or a job that has not "
+         "ended uses the file (`file_in_use`)",
+    413: "The body is larger than the limit (1 MiB; an uploaded file: the service's FT_MAX_FILE_BYTES)",
+    415: "The body is not of the content type the route takes (an upload: multipart/form-data)",
+    416: "The Range lies outside the file; Content-Range gives its size",
     422: "A field is invalid; `field` and `details` name each one and say what is accepted",
     429: "The owner's quota would be exceeded; the message names the limit, the current use and the request",
     503: "Postgres or Redis is unreachable; retry after `Retry-After` seconds",
@@ -74,6 +79,7 @@ _DESCRIPTIONS = {
 _HEADERS: dict[int, dict[str, Any]] = {
     401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     503: {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}},
+    416: {"Content-Range": {"description": "bytes */<size>", "schema": {"type": "string"}}},
 }
 
 
@@ -169,10 +175,20 @@ def quota_exceeded(exc: db.QuotaExceeded) -> ApiError:
                     "admin to raise the quota", details[0]["field"] if details else None, details)
 
 
+def stored_bytes_exceeded(exc: db.StoredBytesExceeded) -> ApiError:
+    size = f"{exc.size} bytes" if exc.size is not None else f"more than the {max(0, exc.limit - exc.used)} bytes left"
+    message = f"max_stored_bytes is {exc.limit}; {exc.owner}'s files take {exc.used} bytes; this upload is {size}"
+    return ApiError(429, ErrorCode.QUOTA_EXCEEDED, f"quota exceeded for owner {exc.owner!r}: {message}. Delete files "
+                    "or ask an admin to raise the quota", "max_stored_bytes",
+                    [{"field": "max_stored_bytes", "message": message}])
+
+
 def from_db(exc: db.DbError) -> ApiError:
     """The HTTP answer to what the data layer refused."""
     if isinstance(exc, db.NotFound):
         return ApiError(404, ErrorCode.NOT_FOUND, exc.message, exc.field)
+    if isinstance(exc, db.FileInUse):
+        return ApiError(409, ErrorCode.FILE_IN_USE, exc.message, exc.field)
     if isinstance(exc, db.IdempotencyConflict):
         return ApiError(409, ErrorCode.IDEMPOTENCY_CONFLICT, exc.message, exc.field)
     if isinstance(exc, db.Conflict):
@@ -181,6 +197,8 @@ def from_db(exc: db.DbError) -> ApiError:
         return invalid([FieldError(exc.field or "body", exc.message)])
     if isinstance(exc, db.QuotaExceeded):
         return quota_exceeded(exc)
+    if isinstance(exc, db.StoredBytesExceeded):
+        return stored_bytes_exceeded(exc)
     return ApiError(503, ErrorCode.UNAVAILABLE, exc.message, None, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 

@@ -109,19 +109,22 @@ class BodyLimit:
     """Reads the whole body up front, at most `max_bytes` of it, and answers 413 beyond that.
 
     Buffering here (1 MiB at most) is what makes the limit hold whatever Content-Length says; the
-    route then gets the body replayed from memory.
+    route then gets the body replayed from memory. A route of class StreamedBodyRoute (an upload) is passed
+    through unread: it streams its body and counts it itself.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, routes: list[BaseRoute] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = frozenset((method, route.path) for route in routes or () if isinstance(route, StreamedBodyRoute)
+                                  for method in route.methods)
 
     def _too_large(self) -> Response:
         return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE,
                               f"the body is larger than {self.max_bytes} bytes, the limit", "body")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in self.streamed:
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
@@ -200,3 +203,8 @@ class StrictJSONRoute(APIRoute):
             return await handler(StrictJSONRequest(request.scope, request.receive))
 
         return strict
+
+
+class StreamedBodyRoute(APIRoute):
+    """A route that reads its own body as a stream (`request.stream()`) and bounds it itself: BodyLimit passes
+    its requests through unread. Its path must be literal (no parameters): BodyLimit compares it as a string."""

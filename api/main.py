@@ -16,7 +16,7 @@ from api import errors, heap
 from api.access import Scope
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
-from api.routes import audit, health, jobs, keys, nodes, owners, ui, webhooks
+from api.routes import audit, files, health, jobs, keys, nodes, owners, ui, webhooks
 from api.settings import ApiSettings, api_settings_or_exit, get_settings
 from db import idempotency
 from db import keys as keys_store
@@ -66,8 +66,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     pg.configure(database_url=settings.database_url, pool_size=settings.api_db_pool_size)
     app = FastAPI(title="Fine-tuning job service", version="0.1.0", lifespan=lifespan,
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
-                              f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB).")
-    routers = (health.router, jobs.router, keys.router, owners.router, audit.router, nodes.router,
+                              f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB), "
+                              "except an upload's (`POST /files`: FT_MAX_FILE_BYTES).")
+    routers = (health.router, jobs.router, files.router, keys.router, owners.router, audit.router, nodes.router,
                webhooks.router)
     # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
     # FastAPI's wrappers of included routers.
@@ -77,7 +78,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         app.include_router(router)
     app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key
     # The last one added runs first: the key and its scope are checked before the body is read at all.
-    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, routes=routes)
     app.add_middleware(KeyAuth, routes=routes, allow_anonymous=settings.allow_anonymous)
     # Outermost: every answer is counted and timed, refusals included; it serves /metrics itself, keyless.
     app.add_middleware(Metrics)

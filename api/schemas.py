@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from contract import codes
+from contract import codes, files
 from contract.spec import JobSpec, Shown, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
@@ -206,6 +206,8 @@ class QuotaSet(BaseModel):
         "Jobs of the owner that have not ended (queued ones included); null: the service default"))
     max_gpus: int | None = Field(default=None, ge=0, le=1_000_000, description=(
         "GPUs (`resources.num_gpus`) of those jobs together; null: the service default"))
+    max_stored_bytes: int | None = Field(default=None, ge=0, le=2**62, description=(
+        "Bytes the owner's uploaded files may take in the store together; null: the service default"))
 
     @model_validator(mode="before")
     @classmethod
@@ -216,12 +218,14 @@ class QuotaSet(BaseModel):
 class QuotaUsage(BaseModel):
     active_jobs: int
     gpus: int
+    stored_bytes: int = Field(description="What the owner's uploaded files take in the store")
 
 
 class Quota(BaseModel):
     owner: str
     max_active_jobs: int | None = Field(description="In effect; null: no limit")
     max_gpus: int | None = Field(description="In effect; null: no limit")
+    max_stored_bytes: int | None = Field(description="In effect; null: no limit")
     set: QuotaSet = Field(description="What an admin set for this owner (null fields take the default)")
     usage: QuotaUsage
 
@@ -236,8 +240,9 @@ class AuditEntry(BaseModel):
     id: int = Field(description="Ordered; read on with `after`")
     at: datetime
     actor: Actor
-    action: str = Field(description="job.submit, job.cancel, key.create, key.revoke, quota.set")
-    subject: str = Field(description="The job id, key id or owner acted on")
+    action: str = Field(description="job.submit, job.cancel, key.create, key.revoke, quota.set, file.upload, "
+                                    "file.delete")
+    subject: str = Field(description="The job id, key id, file id or owner acted on")
     data: dict[str, Any]
 
 
@@ -287,3 +292,46 @@ class DeliveryPage(BaseModel):
     data: list[Delivery]
     has_more: bool
     next_after: int = Field(description="Pass as `after` to read on")
+
+
+# -- files --
+
+FileStatusName = Literal[tuple(s.value for s in files.FileStatus)]  # type: ignore[valid-type]
+FileFormatName = Literal[tuple(f.value for f in files.FileFormat)]  # type: ignore[valid-type]
+FilePurposeName = Literal[tuple(p.value for p in files.FilePurpose)]  # type: ignore[valid-type]
+
+
+class FileProblem(BaseModel):
+    line: int | None = Field(description="1-based; null for the file as a whole (empty, no documents)")
+    message: str
+
+
+class FileStats(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    lines: int
+    examples: int = Field(description="Documents (text), records (jsonl) or conversations (chat)")
+    characters: int = Field(description="Of the examples' text: the documents, the `text` fields or the contents")
+    messages: dict[str, int] | None = Field(default=None, description="chat: messages per role")
+
+
+class File(BaseModel):
+    id: str
+    owner: str
+    filename: str
+    bytes: int
+    sha256: str = Field(description="Of the bytes as stored; `GET /files/{id}/content` sends it as X-Content-SHA256")
+    purpose: FilePurposeName
+    format: FileFormatName | None = Field(description="As given at upload, or detected by the check; null until "
+                                                      "then")
+    status: FileStatusName = Field(description="uploaded: stored, waiting for the check; processed: every line "
+                                               "passed (see `stats`); error: see `errors`")
+    created_at: datetime
+    stats: FileStats | None = Field(description="Once processed")
+    errors: list[FileProblem] | None = Field(description="Once in error: the first problems (at most 20), each "
+                                                         "with its line")
+
+
+class FileList(BaseModel):
+    data: list[File] = Field(description="Newest first")
+    has_more: bool

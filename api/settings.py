@@ -33,6 +33,10 @@ class ApiSettings(StoreSettings):
     # Quotas for an owner an admin set none for (PUT /owners/{owner}/quota); empty: no limit.
     quota_max_active_jobs: int | None = 100
     quota_max_gpus: int | None = None
+    # Bytes an owner's uploaded files may take in the store together (POST /files); empty: no limit.
+    quota_max_stored_bytes: int | None = 100 * 1024**3
+    # The largest file one upload may store (POST /files answers 413 past it, whatever Content-Length said).
+    max_file_bytes: int = 10 * 1024**3
     # How long an Idempotency-Key's answer is kept (at least a day: clients retry across a night's outage).
     idempotency_hours: float = 24.0
     auto_micro_batch_tokens: int = 16384
@@ -42,16 +46,23 @@ class ApiSettings(StoreSettings):
     # Connections each API process keeps for its asynchronous reads and writes (db/pool.py).
     api_db_pool_size: int = 10
 
-    @field_validator("quota_max_active_jobs", "quota_max_gpus", mode="before")
+    @field_validator("quota_max_active_jobs", "quota_max_gpus", "quota_max_stored_bytes", mode="before")
     @classmethod
     def _empty_is_no_limit(cls, value: object) -> object:
         return None if isinstance(value, str) and value.strip().lower() in ("", "none", "null") else value
 
-    @field_validator("quota_max_active_jobs", "quota_max_gpus")
+    @field_validator("quota_max_active_jobs", "quota_max_gpus", "quota_max_stored_bytes")
     @classmethod
     def _not_negative(cls, value: int | None) -> int | None:
         if value is not None and value < 0:
             raise ValueError("must be 0 or more (empty: no limit)")
+        return value
+
+    @field_validator("max_file_bytes")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be 1 or more")
         return value
 
     @field_validator("idempotency_hours")

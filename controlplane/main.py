@@ -1,5 +1,5 @@
 """The control-plane loop: ingest events into Postgres, then reap lost workers, forever; beside it the
-dispatcher thread sends queued jobs to the workers.
+dispatcher thread sends queued jobs to the workers, and the validator thread checks uploaded files.
 
 Run one per deployment: `python -m controlplane`. It never exits on an outage: Redis or Postgres
 going away is logged and retried with a growing pause, and the next pass reconnects (both clients
@@ -22,6 +22,7 @@ from controlplane.dispatcher import Dispatcher
 from controlplane.ingest import Ingester, first_line, transient
 from controlplane.reaper import Reaper, RedisLossWatch
 from controlplane.settings import ControlPlaneSettings
+from controlplane.validator import Validator
 from core.settings import settings_or_exit
 from db.notify import Notifications
 
@@ -51,12 +52,14 @@ def main() -> None:
     watch = RedisLossWatch(watched)
     ingester = Ingester(client, batch=settings.ingest_batch)
     reaper = Reaper(client, settings)
-    # One LISTEN connection for the process: it wakes the dispatcher (ft_dispatch) and the deliverer (ft_webhooks).
+    # One LISTEN connection for the process: it wakes the dispatcher (ft_dispatch), the deliverer (ft_webhooks) and
+    # the validator (ft_files).
     notifications = Notifications(settings.database_url)
     dispatcher = Dispatcher(client, settings, notifications)
     # Its thread calls step(); counted from outside, so the dispatcher knows nothing of metrics.
     dispatcher.step = metrics.counting_sends(dispatcher.step)  # type: ignore[method-assign]
     deliverer = Deliverer(settings, notifications)  # webhooks: a thread and event loop of its own, off the ingest path
+    validator = Validator(settings, notifications)
     metrics.start(settings.controlplane_metrics_port)
     stopping = False
 
@@ -68,6 +71,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
     dispatcher.start()
     deliverer.start()
+    validator.start()
     notifications.start()
     log.info("control plane running")
     next_reap = 0.0
@@ -102,6 +106,7 @@ def main() -> None:
     notifications.stop()
     dispatcher.stop()
     deliverer.stop()
+    validator.stop()
     log.info("control plane stopped")
 
 

@@ -23,6 +23,10 @@ class IdempotencyConflict(Conflict):
     """The Idempotency-Key is in use, or was used with another body."""
 
 
+class FileInUse(Conflict):
+    """A job that has not ended names the file as its data."""
+
+
 class Invalid(DbError):
     """An argument names nothing usable (a page cursor that is no row, an expiry in the past)."""
 
@@ -40,3 +44,12 @@ class QuotaExceeded(DbError):
     def __init__(self, owner: str, limits: tuple[int | None, int | None], used: tuple[int, int], gpus: int) -> None:
         super().__init__(f"quota exceeded for owner {owner!r}")
         self.owner, self.limits, self.used, self.gpus = owner, limits, used, gpus
+
+
+class StoredBytesExceeded(DbError):
+    """An upload would pass the owner's quota of stored bytes: the limit, the owner's use and the upload's size
+    (None: an upload cut off once it passed the room left, its size unknown)."""
+
+    def __init__(self, owner: str, limit: int, used: int, size: int | None) -> None:
+        super().__init__(f"stored-bytes quota exceeded for owner {owner!r}", "max_stored_bytes")
+        self.owner, self.limit, self.used, self.size = owner, limit, used, size

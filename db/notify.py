@@ -1,6 +1,6 @@
 """The control plane's one LISTEN loop: one thread and one psycopg connection that listen on every channel the
 control plane wakes on, and hand each notification to whoever subscribed to its channel (the dispatcher on
-`ft_dispatch`, the deliverer on `ft_webhooks`).
+`ft_dispatch`, the deliverer on `ft_webhooks`, the file validator on `ft_files`).
 
 A subscriber's callback runs in this thread and must only wake its owner (set an event). After every
 (re)connection every subscriber is woken once: what was notified while no connection listened is lost, so each
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 DISPATCH = "ft_dispatch"  # a row needs sending (migration 0003), or slots came free (0005)
 WEBHOOKS = "ft_webhooks"  # a webhook delivery was inserted
+FILES = "ft_files"  # a file was uploaded (migration 0011)
 WAIT_SECONDS = 0.5  # how long one wait for a notification lasts: the longest a stop waits
 RETRY_MAX_SECONDS = 5.0
 

@@ -1,8 +1,10 @@
-"""Quotas per owner: how many unfinished jobs, and how many GPUs among them, one owner may hold.
+"""Quotas per owner: how many unfinished jobs, and how many GPUs among them, one owner may hold, and how many
+bytes its uploaded files may take in the store.
 
 An admin sets them (`PUT /owners/{owner}/quota`); an owner without a row, or a null field, takes the
 service's default (`defaults`, the API's settings). They are enforced in the submit's own transaction
-(db/jobs.py), under a lock per owner, so two submits cannot both take the last slot. What is counted (`USAGE`)
+(db/jobs.py), under a lock per owner, so two submits cannot both take the last slot; the stored bytes likewise
+in the upload's insert (db/files.py). What is counted (`USAGE`)
 and how a row and the defaults combine (`effective`) are written here once, for the submit and for the reads.
 """
 
@@ -22,7 +24,8 @@ Limits = tuple[int | None, int | None]
 # parameter.
 USAGE = ("SELECT count(*) AS jobs, coalesce(sum(gpus), 0) AS gpus FROM jobs "
          f"WHERE owner = {{owner}} AND status IN {sql_list(UNFINISHED_STATUSES)}")
-ROW = "SELECT max_active_jobs, max_gpus FROM owner_quotas WHERE owner = $1"
+ROW = "SELECT max_active_jobs, max_gpus, max_stored_bytes FROM owner_quotas WHERE owner = $1"
+STORED = "SELECT coalesce(sum(bytes), 0)::bigint FROM files WHERE owner = $1"
 # The owner's quota, read under a lock of the owner's own for the rest of the transaction: the next
 # statement's snapshot then sees every job an earlier submit of the owner committed, so two submits
 # cannot both take the last slot. Submits of other owners do not wait for it.
@@ -30,9 +33,9 @@ LOCK_OWNER = """
 SELECT pg_advisory_xact_lock(hashtextextended('ft_quota:' || $1, 0)), q.max_active_jobs, q.max_gpus
 FROM (SELECT 1) AS one LEFT JOIN owner_quotas AS q ON q.owner = $1"""
 PUT = """
-INSERT INTO owner_quotas (owner, max_active_jobs, max_gpus, updated_at) VALUES ($1, $2, $3, now())
+INSERT INTO owner_quotas (owner, max_active_jobs, max_gpus, max_stored_bytes, updated_at) VALUES ($1, $2, $3, $4, now())
 ON CONFLICT (owner) DO UPDATE SET max_active_jobs = EXCLUDED.max_active_jobs, max_gpus = EXCLUDED.max_gpus,
-    updated_at = EXCLUDED.updated_at"""
+    max_stored_bytes = EXCLUDED.max_stored_bytes, updated_at = EXCLUDED.updated_at"""
 
 
 def effective(row: Any, defaults: Limits) -> Limits:
@@ -51,33 +54,36 @@ async def lock(conn: asyncpg.Connection, owner: str, defaults: Limits) -> Limits
     return effective(await conn.fetchrow(LOCK_OWNER, owner), defaults)
 
 
-async def get(*, owner: str, defaults: Limits) -> dict[str, Any]:
+async def get(*, owner: str, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
     try:
         async with (await pg.pool()).acquire() as conn:
-            return await _get(conn, owner, defaults)
+            return await _get(conn, owner, defaults, stored_default)
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
 
 
-async def _get(conn: asyncpg.Connection, owner: str, defaults: Limits) -> dict[str, Any]:
+async def _get(conn: asyncpg.Connection, owner: str, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
     row = await conn.fetchrow(ROW, owner)
     count, used = await conn.fetchrow(USAGE.format(owner="$1"), owner)
+    stored = await conn.fetchval(STORED, owner)
     jobs, gpus = effective(row, defaults)
+    stored_set = row["max_stored_bytes"] if row else None
     return {"owner": owner, "max_active_jobs": jobs, "max_gpus": gpus,
+            "max_stored_bytes": stored_set if stored_set is not None else stored_default,
             "set": {"max_active_jobs": row["max_active_jobs"] if row else None,
-                    "max_gpus": row["max_gpus"] if row else None},
-            "usage": {"active_jobs": int(count), "gpus": int(used)}}
+                    "max_gpus": row["max_gpus"] if row else None, "max_stored_bytes": stored_set},
+            "usage": {"active_jobs": int(count), "gpus": int(used), "stored_bytes": int(stored)}}
 
 
-async def put(*, owner: str, max_active_jobs: int | None, max_gpus: int | None, actor: audit.Actor,
-              defaults: Limits) -> dict[str, Any]:
+async def put(*, owner: str, max_active_jobs: int | None, max_gpus: int | None, max_stored_bytes: int | None,
+              actor: audit.Actor, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
     """Replace the owner's quota. Lowering it below the current use refuses new submits; it ends no job."""
     try:
         async with (await pg.pool()).acquire() as conn:
             async with conn.transaction():
-                await conn.execute(PUT, owner, max_active_jobs, max_gpus)
-                await audit.record(conn, actor, "quota.set", owner,
-                                   {"max_active_jobs": max_active_jobs, "max_gpus": max_gpus})
-            return await _get(conn, owner, defaults)
+                await conn.execute(PUT, owner, max_active_jobs, max_gpus, max_stored_bytes)
+                await audit.record(conn, actor, "quota.set", owner, {
+                    "max_active_jobs": max_active_jobs, "max_gpus": max_gpus, "max_stored_bytes": max_stored_bytes})
+            return await _get(conn, owner, defaults, stored_default)
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from contract.codes import EventKind, JobStatus
-from ftcli import render
+from ftcli import files, render
 from ftcli.http import Api, CliError
 from ftcli.jobfile import load_job
 
@@ -195,6 +195,10 @@ def nodes(as_json: Json = False) -> None:
 def wait_(job_id: JobId, as_json: Json = False) -> None:
     """Wait for a job to end; exit 0 only if it succeeded."""
     finished(wait_for_end(Api.from_env(), job_id, as_json), as_json)
+
+
+app.command("upload")(files.upload)
+app.command("files")(files.list_files)
 
 
 def main() -> None:

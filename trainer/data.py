@@ -6,20 +6,21 @@ run is just (epoch, index of the next global batch) and a resume continues exact
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from contract import datasets
 from contract.spec import DataSpec, RunPaths
 from trainer.errors import DataError
 
 IGNORE = -100
-Document = Any  # a str for text/jsonl, a list of {role, content} for chat
+CHUNK_BYTES = 1 << 20
+Document = datasets.Document
 
 
 @dataclass
@@ -52,55 +53,25 @@ def resolve_path(path: str, paths: RunPaths) -> Path:
     return p
 
 
-def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"data file {path} is not UTF-8 text: {exc}") from exc
-    if not text.strip():
-        raise DataError(f"data file {path} is empty")
-    return text
-
-
-def _jsonl(path: Path, text: str) -> list[tuple[int, Any]]:
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path} line {lineno}: not valid JSON ({exc.msg})") from exc
-    return rows
+def _chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            yield chunk
 
 
 def read_documents(path: Path, spec: DataSpec) -> list[Document]:
-    text = _read_text(path)
-    if spec.format == "text":
-        # Blank lines separate documents, so a file of single-line paragraphs is one document per line group.
-        docs = [d.strip() for d in text.replace("\r\n", "\n").split("\n\n")]
-        return [d for d in docs if d]
+    """The file's documents, read and checked line by line by contract/datasets.py: the check an uploaded file
+    passes is this one. The first problem is raised as a DataError naming the file and the line."""
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
     docs: list[Document] = []
-    for lineno, obj in _jsonl(path, text):
-        if spec.format == "jsonl":
-            if not isinstance(obj, dict) or spec.text_field not in obj:
-                raise DataError(f"{path} line {lineno}: missing field {spec.text_field!r}")
-            if not isinstance(obj[spec.text_field], str):
-                raise DataError(f"{path} line {lineno}: field {spec.text_field!r} is not a string")
-            docs.append(obj[spec.text_field])
-        else:
-            msgs = obj.get("messages") if isinstance(obj, dict) else None
-            if not isinstance(msgs, list) or not msgs:
-                raise DataError(f"{path} line {lineno}: missing field 'messages' (a non-empty list)")
-            for m in msgs:
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                        and isinstance(m.get("content"), str)):
-                    raise DataError(f"{path} line {lineno}: each message needs string 'role' and 'content'")
-            docs.append(msgs)
-    if not docs:
-        raise DataError(f"data file {path} has no documents")
+    found = datasets.scan(_chunks(path), spec.format, text_field=spec.text_field, on_document=docs.append,
+                          max_problems=1)
+    if found.problems:
+        problem = found.problems[0]
+        if problem.line is None:
+            raise DataError(f"data file {path} {problem.message}")
+        raise DataError(f"{path} line {problem.line}: {problem.message}")
     return docs
 
 

@@ -24,10 +24,12 @@ async def set_quota(owner: Owner, body: QuotaSet, settings: SettingsDep, caller:
     """Replaces the owner's quota (a null or missing field takes the service default); applies to the next
     submit. Lowering it below the current use ends no job; it refuses new ones until use falls below it."""
     return await service.put(owner=owner, max_active_jobs=body.max_active_jobs, max_gpus=body.max_gpus,
-                             actor=caller.actor(), defaults=quota_defaults(settings))
+                             max_stored_bytes=body.max_stored_bytes, actor=caller.actor(),
+                             defaults=quota_defaults(settings), stored_default=settings.quota_max_stored_bytes)
 
 
 @router.get("/{owner}/quota", response_model=Quota, openapi_extra=scoped(Scope.ADMIN))
 async def get_quota(owner: Owner, settings: SettingsDep) -> dict[str, Any]:
     """The quota in effect for the owner and its current use."""
-    return await service.get(owner=owner, defaults=quota_defaults(settings))
+    return await service.get(owner=owner, defaults=quota_defaults(settings),
+                             stored_default=settings.quota_max_stored_bytes)

@@ -1,0 +1,199 @@
+"""Uploaded files: the API's insert (within the owner's quota of stored bytes), reads, pages and delete on its
+asyncpg pool, and the control plane's claim and result on its SQLAlchemy session.
+
+A row is written only after its object is stored whole (api/routes/files.py), so every row names an object with
+the size and SHA-256 it records. The validator (controlplane/validator.py) claims a file for a lease rather than
+holding a lock while it reads: a long check holds no transaction open, a delete during it is not made to wait, and
+a file whose control plane died is claimed again once the lease has run out.
+
+Every read takes the caller's `owner` (None: an admin, who sees every owner's): another owner's file is not
+found, never forbidden.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import orjson
+from sqlalchemy import text
+
+from contract.codes import UNFINISHED_STATUSES, sql_list
+from contract.files import FileStatus
+from db import audit, jsonw, quotas
+from db import pool as pg
+from db.errors import FileInUse, Invalid, NotFound, StoredBytesExceeded
+from db.sqltext import named, named_params
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+COLUMNS = "id, owner, filename, bytes, sha256, purpose, format, status, stats, errors, created_at"
+# The owner's quota of stored bytes, read under a lock of the owner's own for the rest of the transaction: two
+# uploads that each fit cannot together pass it.
+LOCK_OWNER = """
+SELECT pg_advisory_xact_lock(hashtextextended('ft_files:' || $1, 0)), q.max_stored_bytes
+FROM (SELECT 1) AS one LEFT JOIN owner_quotas AS q ON q.owner = $1"""
+STORED = quotas.STORED
+INSERT = f"""
+INSERT INTO files (id, owner, filename, bytes, sha256, purpose, format, status, created_at, updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, '{FileStatus.UPLOADED.value}', now(), now()) RETURNING {COLUMNS}"""
+BY_ID = f"SELECT {COLUMNS} FROM files WHERE id = $1"
+BY_ID_AND_OWNER = BY_ID + " AND owner = $2"
+CURSOR = "SELECT created_at, id FROM files WHERE id = $1"
+CURSOR_FOR_OWNER = CURSOR + " AND owner = $2"
+LOCK = f"SELECT {COLUMNS} FROM files WHERE id = $1 FOR UPDATE"
+LOCK_FOR_OWNER = f"SELECT {COLUMNS} FROM files WHERE id = $1 AND owner = $2 FOR UPDATE"
+# Jobs that have not ended and name the file as their data: the file must outlive them.
+USERS = (f"SELECT id FROM jobs WHERE status IN {sql_list(UNFINISHED_STATUSES)} "
+         "AND (request->'data'->>'train' = $1 OR request->'data'->>'validation' = $1) ORDER BY seq LIMIT 5")
+DELETE = "DELETE FROM files WHERE id = $1"
+FOR_JOB = "SELECT id, status, sha256, bytes, format FROM files WHERE id = $1 AND owner = $2"
+
+
+def new_id() -> str:
+    return "file_" + secrets.token_hex(12)
+
+
+def view(row: Any) -> dict[str, Any]:
+    """The File schema's fields."""
+    out = {k: row[k] for k in ("id", "owner", "filename", "bytes", "sha256", "purpose", "format", "status",
+                               "created_at")}
+    out["stats"] = orjson.loads(row["stats"]) if row["stats"] is not None else None
+    out["errors"] = orjson.loads(row["errors"]) if row["errors"] is not None else None
+    return out
+
+
+def not_found(file_id: str) -> NotFound:
+    return NotFound(f"no file with id {file_id!r}", "id")
+
+
+async def create(*, file_id: str, owner: str, filename: str, size: int, sha256: str, purpose: str,
+                 fmt: str | None, quota_default: int | None, actor: audit.Actor) -> dict[str, Any]:
+    """The row of a stored object, within the owner's quota of stored bytes (StoredBytesExceeded otherwise)."""
+    try:
+        async with (await pg.pool()).acquire() as conn, conn.transaction():
+            limit = await _limit(conn, owner, quota_default)
+            used = int(await conn.fetchval(STORED, owner))
+            if limit is not None and used + size > limit:
+                raise StoredBytesExceeded(owner, limit, used, size)
+            row = await conn.fetchrow(INSERT, file_id, owner, filename, size, sha256, purpose, fmt)
+            await audit.record(conn, actor, "file.upload", file_id,
+                               {"owner": owner, "filename": filename, "bytes": size, "sha256": sha256})
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+    return view(row)
+
+
+async def _limit(conn: asyncpg.Connection, owner: str, default: int | None) -> int | None:
+    row = await conn.fetchrow(LOCK_OWNER, owner)
+    return row["max_stored_bytes"] if row is not None and row["max_stored_bytes"] is not None else default
+
+
+QUOTA = ("SELECT (SELECT max_stored_bytes FROM owner_quotas WHERE owner = $1), "
+         "(SELECT coalesce(sum(bytes), 0)::bigint FROM files WHERE owner = $1)")
+
+
+async def quota(*, owner: str, default: int | None) -> tuple[int | None, int]:
+    """The owner's quota of stored bytes in effect (None: no limit) and what its files take now: an upload
+    stops reading once it would pass it (the insert checks again, under the owner's lock)."""
+    row = await pg.fetchrow(QUOTA, owner)
+    assert row is not None
+    return (row[0] if row[0] is not None else default), int(row[1])
+
+
+async def get(*, file_id: str, owner: str | None) -> dict[str, Any]:
+    row = await (pg.fetchrow(BY_ID, file_id) if owner is None else pg.fetchrow(BY_ID_AND_OWNER, file_id, owner))
+    if row is None:
+        raise not_found(file_id)
+    return view(row)
+
+
+async def get_for_owner(owner: str, file_id: str) -> Any:
+    """(id, status, sha256, bytes, format) of the owner's file, for a job that names it; NotFound for a file that
+    is not the owner's."""
+    row = await pg.fetchrow(FOR_JOB, file_id, owner)
+    if row is None:
+        raise not_found(file_id)
+    return row
+
+
+async def page(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:
+    """Newest first, `limit` files after the file `after` (one the caller can see, or Invalid)."""
+    where, args = [], []
+    if after is not None:
+        cursor = await (pg.fetchrow(CURSOR, after) if owner is None else pg.fetchrow(CURSOR_FOR_OWNER, after, owner))
+        if cursor is None:
+            raise Invalid(f"{after!r} is not a file id; pass the last id of the previous page", "after")
+        args += [cursor["created_at"], cursor["id"]]
+        where.append("(created_at, id) < ($1, $2)")
+    if owner is not None:
+        args.append(owner)
+        where.append(f"owner = ${len(args)}")
+    args.append(limit + 1)
+    sql = (f"SELECT {COLUMNS} FROM files {'WHERE ' + ' AND '.join(where) if where else ''} "
+           f"ORDER BY created_at DESC, id DESC LIMIT ${len(args)}")
+    rows = await pg.fetch(sql, *args)
+    return {"data": [view(r) for r in rows[:limit]], "has_more": len(rows) > limit}
+
+
+async def delete(*, file_id: str, owner: str | None, actor: audit.Actor) -> dict[str, Any]:
+    """The row removed (the caller removes its object next); FileInUse while a job that has not ended names it."""
+    try:
+        async with (await pg.pool()).acquire() as conn, conn.transaction():
+            row = await (conn.fetchrow(LOCK, file_id) if owner is None
+                         else conn.fetchrow(LOCK_FOR_OWNER, file_id, owner))
+            if row is None:
+                raise not_found(file_id)
+            users = [r["id"] for r in await conn.fetch(USERS, file_id)]
+            if users:
+                raise FileInUse(f"file {file_id!r} is the data of job(s) that have not ended ({', '.join(users)}); "
+                                "cancel them or wait for them to end, then delete it", "id")
+            await conn.execute(DELETE, file_id)
+            await audit.record(conn, actor, "file.delete", file_id, {"owner": row["owner"]})
+    except pg.UNREACHABLE as exc:
+        raise pg.unavailable() from exc
+    return view(row)
+
+
+# -- the control plane's validator, on its SQLAlchemy session --
+
+# The oldest unchecked file nobody holds a lease on, leased for $1 seconds (committed with the session).
+CLAIM = text(named(f"""
+UPDATE files SET claimed_until = now() + make_interval(secs => $1::float8)
+WHERE id = (SELECT id FROM files WHERE status = '{FileStatus.UPLOADED.value}'
+                AND (claimed_until IS NULL OR claimed_until < now())
+            ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING id, format"""))
+RENEW = text(named(f"""
+UPDATE files SET claimed_until = now() + make_interval(secs => $2::float8)
+WHERE id = $1 AND status = '{FileStatus.UPLOADED.value}'"""))
+# A file deleted meanwhile, or already decided, is left as it is.
+FINISH = text(named(f"""
+UPDATE files SET status = $2, format = coalesce(format, $3), stats = $4::jsonb, errors = $5::jsonb,
+    claimed_until = NULL, updated_at = now()
+WHERE id = $1 AND status = '{FileStatus.UPLOADED.value}'"""))
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: str
+    format: str | None
+
+
+def claim(session: Session, *, lease_seconds: float) -> Claimed | None:
+    row = session.execute(CLAIM, named_params(lease_seconds)).first()
+    return None if row is None else Claimed(row[0], row[1])
+
+
+def renew(session: Session, *, file_id: str, lease_seconds: float) -> None:
+    session.execute(RENEW, named_params(file_id, lease_seconds))
+
+
+def finish(session: Session, *, file_id: str, status: FileStatus, fmt: str | None, stats: dict[str, Any] | None,
+           errors: list[dict[str, Any]] | None) -> None:
+    session.execute(FINISH, named_params(file_id, status.value, fmt,
+                                         None if stats is None else jsonw.dumps(stats),
+                                         None if errors is None else jsonw.dumps(errors)))
