@@ -316,7 +316,7 @@ def test_concurrent_submits_stop_exactly_at_the_job_quota(apis: list[ApiProcess]
     assert "max_active_jobs is 5" in err["message"] and "5 unfinished jobs" in err["message"] \
         and "1 more" in err["message"], err
     quota = admin.get("/owners/team-q/quota").json()
-    assert quota["usage"] == {"active_jobs": 5, "gpus": 5}
+    assert quota["usage"] == {"active_jobs": 5, "gpus": 5, "stored_bytes": 0}
     # A refused submit left nothing behind; an ended job frees its slot.
     with client(apis[0], key) as c:
         assert len(c.get("/jobs", params={"limit": 200}).json()["data"]) == 5
@@ -335,7 +335,7 @@ def test_concurrent_submits_stop_exactly_at_the_gpu_quota(apis: list[ApiProcess]
     err = error_of(next(r for r in answers if r.status_code == 429), 429, "quota_exceeded")
     assert err["field"] == "max_gpus" and "max_gpus is 5" in err["message"] and "hold 4" in err["message"] \
         and "asks for 2" in err["message"], err
-    assert admin.get("/owners/team-g/quota").json()["usage"] == {"active_jobs": 2, "gpus": 4}
+    assert admin.get("/owners/team-g/quota").json()["usage"] == {"active_jobs": 2, "gpus": 4, "stored_bytes": 0}
     # Back to the service default (100 jobs, no GPU limit) with nulls.
     restored = admin.put("/owners/team-g/quota", json={}).json()
     assert restored["max_active_jobs"] == 100 and restored["max_gpus"] is None

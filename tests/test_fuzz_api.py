@@ -64,7 +64,9 @@ def fuzz_api(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         add_key(database, TOKEN, owner=OWNER)
         # Loopback webhook receivers are allowed, so a schema-valid URL on 127.0.0.1 passes the address rules.
         proc = ApiProcess({"FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_QUOTA_MAX_ACTIVE_JOBS": "",
-                           "FT_ENV": "production", "FT_WEBHOOK_ALLOW_NETS": "127.0.0.0/8", **make_roots(base)},
+                           "FT_ENV": "production", "FT_WEBHOOK_ALLOW_NETS": "127.0.0.0/8", **make_roots(base),
+                           # Uploaded files land in the test's own folder.
+                           "FT_STORE_URL": f"file://{base / 'store'}"},
                           base / "api.log")
         try:
             yield proc.start()
@@ -113,8 +115,8 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str]) -> No
         return st.sampled_from([params["job_id"], *ended_jobs]).map(lambda job_id: {**params, "job_id": job_id})
 
     operations = [result.ok() for result in schema.get_all_operations()]
-    # 7 job operations, 3 of keys, 2 of quotas, the audit log, the nodes, 3 of webhooks and the 2 probes
-    assert len(operations) == 19, [op.label for op in operations]
+    # 7 job operations, 5 of files, 3 of keys, 2 of quotas, the audit log, the nodes, 3 of webhooks and the 2 probes
+    assert len(operations) == 24, [op.label for op in operations]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
     session = requests.Session()
@@ -291,7 +293,8 @@ def api(fuzz_api: ApiProcess) -> Iterator[httpx.Client]:
 def test_a_quota_is_a_number_not_a_boolean(api: httpx.Client, body: dict[str, Any], field: str) -> None:
     _error(api.put("/owners/strict-quota/quota", json=body), 422, field)
     # Nothing was stored: the owner still runs on the defaults, not on a quota of 0 GPUs.
-    assert api.get("/owners/strict-quota/quota").json()["set"] == {"max_active_jobs": None, "max_gpus": None}
+    assert api.get("/owners/strict-quota/quota").json()["set"] == {"max_active_jobs": None, "max_gpus": None,
+                                                                   "max_stored_bytes": None}
     assert api.put("/owners/strict-quota/quota", json={field: 0}).json()["set"][field] == 0
     assert api.put("/owners/strict-quota/quota", json={}).status_code == 200
 
