@@ -213,7 +213,7 @@ async def receive(request: Request, *, settings: ApiSettings, store: Store, call
             elif name in (PURPOSE, FORMAT):
                 fields[name] = _check(name, await _field(form, name))
             else:
-                raise bad(str(name or "body"), "is not a known field; send file, purpose and format")
+                raise bad(str(name or "body")[:60], "is not a known field; send file, purpose and format")
         if stored is None:
             raise bad(FILE, "is required: the file's bytes as a multipart part named 'file'")
         if PURPOSE not in fields:

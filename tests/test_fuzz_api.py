@@ -186,7 +186,7 @@ def _loopback(url: Any) -> Any:
                        parts.query, ""))
 
 
-def settle(case: schemathesis.Case, ended: list[str], key_id: str) -> None:
+def settle(case: schemathesis.Case, ended: list[str], key_id: str, file_id: str) -> None:
     """Gives a schema-valid case the state its rules depend on (the schema states every other rule): files that
     exist, a parked queue, a cursor that names a real row, an expiry in the future, a callable webhook host."""
     body, query = case.body, case.query
@@ -204,8 +204,9 @@ def settle(case: schemathesis.Case, ended: list[str], key_id: str) -> None:
         body["url"] = _loopback(body.get("url"))
     if isinstance(body, dict) and body.get("expires_at") is not None:
         body["expires_at"] = (datetime.now(timezone.utc) + timedelta(days=30)).isoformat()
-    if isinstance(query, dict) and query.get("after") is not None and case.operation.path in ("/jobs", "/keys"):
-        query["after"] = ended[0] if case.operation.path == "/jobs" else key_id
+    if isinstance(query, dict) and query.get("after") is not None and case.operation.path in ("/jobs", "/keys",
+                                                                                               "/files"):
+        query["after"] = {"/jobs": ended[0], "/keys": key_id, "/files": file_id}[case.operation.path]
         if "owner" in query:
             query["owner"] = OWNER  # the cursor must be a row the filtered listing shows
 
@@ -229,6 +230,8 @@ def test_schema_and_server_agree(fuzz_api: ApiProcess, ended_jobs: list[str], we
     schema = schemathesis.openapi.from_url(fuzz_api.url + "/openapi.json")
     with httpx.Client(base_url=fuzz_api.url, headers=AUTH, timeout=30) as c:
         key_id = c.get("/keys", params={"owner": OWNER}).json()["data"][0]["id"]
+        # A file of the fuzz owner's: a list cursor must name one.
+        file_id = c.post("/files", data={"purpose": "fine-tune"}, files={"file": ("a.txt", b"text\n")}).json()["id"]
 
     @schema.hook("flatmap_path_parameters")
     def real_ids(_: Any, params: dict[str, Any] | None) -> st.SearchStrategy[dict[str, Any] | None]:
@@ -246,7 +249,7 @@ def test_schema_and_server_agree(fuzz_api: ApiProcess, ended_jobs: list[str], we
             if mode is GenerationMode.NEGATIVE and not op.body:
                 continue
             try:
-                conform(op, mode, session, counts, settle_as=(ended_jobs, key_id))
+                conform(op, mode, session, counts, settle_as=(ended_jobs, key_id, file_id))
             except BaseException as exc:  # every operation's disagreement (a FailureGroup), not the first one's
                 if isinstance(exc, KeyboardInterrupt):
                     raise
@@ -257,7 +260,7 @@ def test_schema_and_server_agree(fuzz_api: ApiProcess, ended_jobs: list[str], we
 
 
 def conform(op: schemathesis.APIOperation, mode: GenerationMode, session: requests.Session, counts: list[int], *,
-            settle_as: tuple[list[str], str]) -> None:
+            settle_as: tuple[list[str], str, str]) -> None:
     @hypothesis.seed(0)
     @given(case=op.as_strategy(generation_mode=mode))
     @settings(max_examples=CONFORMANCE_EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -328,7 +331,8 @@ def test_what_the_schema_documents_beyond_one_type_is_accepted(api: httpx.Client
 
 def test_a_405_lists_every_method_of_its_path(api: httpx.Client, ended_jobs: list[str]) -> None:
     paths = api.get("/openapi.json").json()["paths"]
-    values = {"job_id": ended_jobs[0], "owner": "allow-owner", "key_id": "key_0000000000000000"}
+    values = {"job_id": ended_jobs[0], "owner": "allow-owner", "key_id": "key_0000000000000000",
+              "file_id": "file_" + "0" * 24}
     checked = 0
     for template, operations in paths.items():
         documented = {m.upper() for m in operations}
