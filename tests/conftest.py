@@ -61,7 +61,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from trainer.tiny import build_tiny_model
 
     base = tmp_path_factory.mktemp("ft")
-    r = {name: base / name for name in ("models", "data", "artifacts", "logs")}
+    r = {name: base / name for name in ("models", "data", "artifacts", "logs", "cache")}
     for p in r.values():
         p.mkdir()
     train, _ = write_corpus(r["data"] / "corpus", limit_chars=200_000)
@@ -84,6 +84,7 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path], s3: S3Serve
         **s3.env(s3.bucket()),
         "FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_PORT": str(free_port()),
         "FT_ARTIFACTS_ROOT": str(roots["artifacts"]), "FT_MODEL_ROOT": str(roots["models"]),
+        "FT_CACHE_ROOT": str(roots["cache"]),
         "FT_DATA_ROOT": str(roots["data"]), "FT_NVME_ROOT": str(roots["artifacts"] / "nvme"),
         # Short leases so a killed worker is noticed within seconds.
         "FT_HEARTBEAT_SECONDS": "1", "FT_LEASE_TTL_SECONDS": "3", "FT_LEASE_GRACE_SECONDS": "2",

@@ -267,11 +267,10 @@ def test_delete_removes_the_row_and_the_object(mine: tuple[str, httpx.Client], b
 def test_a_file_a_job_that_has_not_ended_names_cannot_be_deleted(api: httpx.Client, make_job: Any,
                                                                  stack_env: dict[str, str]) -> None:
     created = upload(api, b"in use\n").json()
-    job = api.post("/jobs", json=make_job(name="files-in-use", resources={"queue": "files-parked"})).json()
-    # A job spec naming a file id is another change's; the row is given one here, as that change will store it.
-    with psycopg.connect(stack_env["FT_DATABASE_URL"].replace("+psycopg", ""), autocommit=True) as conn:
-        conn.execute("UPDATE jobs SET request = jsonb_set(request, '{data,train}', to_jsonb(%s::text)) WHERE id = %s",
-                     (created["id"], job["id"]))
+    assert checked(api, created["id"])["status"] == "processed"
+    job = api.post("/jobs", json=make_job(name="files-in-use", data={"train": created["id"], "validation": None},
+                                          resources={"queue": "files-parked"})).json()
+    assert job["request"]["data"]["train"] == created["id"], job
     err = error_of(api.delete(f"/files/{created['id']}"), 409, "file_in_use", "id")
     assert job["id"] in err["message"]
     assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202

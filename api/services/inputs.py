@@ -8,6 +8,7 @@ from contract.files import FileStatus
 from contract.problems import FieldError
 from contract.spec import ResolvedJob, StoredInput, is_file_id
 from db import files
+from db.errors import NotFound
 from store.layout import file_key
 
 FIELDS = ("train", "validation")
@@ -24,8 +25,9 @@ async def resolve(resolved: ResolvedJob, owner: str) -> list[FieldError]:
         if value is None or not is_file_id(value):
             continue
         field = f"data.{name}"
-        found = await files.get_for_owner(owner, value)
-        if found is None:
+        try:
+            found = await files.get_for_owner(owner, value)
+        except NotFound:
             errors.append(FieldError(field, f"there is no file {value!r} of yours; upload one with POST /files"))
             continue
         if found["status"] != FileStatus.PROCESSED:

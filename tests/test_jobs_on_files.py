@@ -1,0 +1,110 @@
+"""Jobs on stored files (`"data": {"train": "file_…"}`) against the session's stack, whose store is an S3 server:
+the submit takes only a processed file of the caller's and records its bytes and SHA-256; the node fetches it into
+its cache and trains on it; a file whose object is gone from the store fails the job with `input_unavailable`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scripts.stack import Stack
+from store.objects import Store
+from tests.conftest import create_key
+from tests.helpers import wait_status
+from tests.test_files import checked, upload
+
+END = {"succeeded", "failed", "cancelled"}
+PARKED = {"queue": "files-parked"}  # no worker serves it: a submit is checked and nothing trains
+
+
+@pytest.fixture(scope="module")
+def owner(stack: Stack, stack_env: dict[str, str]) -> Iterator[httpx.Client]:
+    key = create_key({**os.environ, **stack_env}, "onfiles-" + uuid.uuid4().hex[:8], "jobs:write")
+    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def store(stack_env: dict[str, str]) -> Store:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        os.environ.setdefault(var, stack_env[var])
+    return Store(stack_env["FT_STORE_URL"], stack_env["FT_S3_ENDPOINT_URL"])
+
+
+def processed(client: httpx.Client, content: bytes, fmt: str | None = None) -> str:
+    created = upload(client, content, fmt=fmt)
+    assert created.status_code == 201, created.text
+    found = checked(client, created.json()["id"])
+    assert found["status"] == "processed", found
+    return str(found["id"])
+
+
+def refused(r: httpx.Response, field: str) -> str:
+    assert r.status_code == 422, r.text
+    fields = {d["field"]: d["message"] for d in r.json()["error"]["details"]}
+    assert field in fields, fields
+    return fields[field]
+
+
+def test_a_job_trains_on_a_stored_file_fetched_into_the_nodes_cache(
+        owner: httpx.Client, make_job: Any, roots: dict[str, Path]) -> None:
+    corpus = (roots["data"] / "corpus" / "train.txt").read_bytes()
+    file_id = processed(owner, corpus)
+    job = owner.post("/jobs", json=make_job(name="on-a-file", data={"train": file_id, "validation": None,
+                                                                     "validation_fraction": 0.1},
+                                            hyperparameters={"max_steps": 8}, checkpointing={"every_steps": 8}))
+    assert job.status_code == 201, job.text
+    stored = job.json()["resolved"]["inputs"]["data.train"]
+    assert stored == {"file_id": file_id, "key": f"files/{file_id}", "bytes": len(corpus),
+                      "sha256": hashlib.sha256(corpus).hexdigest()}
+    assert job.json()["request"]["data"]["train"] == file_id  # the request as sent
+    final = wait_status(owner, job.json()["id"], END, 400)
+    assert final["status"] == "succeeded", final["error"]
+    # The node read its own verified copy, named by the file's SHA-256.
+    assert (roots["cache"] / "sha256" / stored["sha256"]).read_bytes() == corpus
+
+
+def test_a_submit_takes_only_a_processed_file_of_the_callers_in_its_format(
+        owner: httpx.Client, api: httpx.Client, make_job: Any) -> None:
+    text_file = processed(owner, b"some text\n\nmore text\n", "text")
+    chat = processed(owner, b'{"messages": [{"role": "user", "content": "hi"}, '
+                            b'{"role": "assistant", "content": "hello"}]}\n')
+    broken = upload(owner, b'{"messages": []}\n', fmt="chat").json()["id"]
+    assert checked(owner, broken)["status"] == "error"
+    theirs = processed(api, b"the default owner's text\n")
+
+    def submit(client: httpx.Client, **data: Any) -> httpx.Response:
+        return client.post("/jobs", json=make_job(data={"validation": None, **data}, resources=PARKED))
+
+    assert "no file" in refused(submit(owner, train=theirs), "data.train")
+    assert "no file" in refused(submit(owner, train="file_" + "0" * 24), "data.train")
+    assert "error" in refused(submit(owner, train=broken), "data.train")
+    assert "chat" in refused(submit(owner, train=chat, format="text"), "data.format")
+    assert "text" in refused(submit(owner, train=chat, validation=text_file), "data.validation")
+    # A dry run refuses alike and makes nothing.
+    dry = owner.post("/jobs", params={"dry_run": "true"},
+                     json=make_job(data={"train": broken, "validation": None}, resources=PARKED))
+    assert "error" in refused(dry, "data.train")
+    # The format left out is the file's own.
+    ok = submit(owner, train=chat)
+    assert ok.status_code == 201, ok.text
+    assert ok.json()["resolved"]["spec"]["data"]["format"] == "chat"
+    assert owner.post(f"/jobs/{ok.json()['id']}/cancel").status_code == 202
+
+
+def test_a_stored_file_gone_from_the_store_fails_the_job_with_input_unavailable(
+        owner: httpx.Client, make_job: Any, store: Store) -> None:
+    file_id = processed(owner, b"a file whose object an operator deleted by hand\n" * 50)
+    store.delete(f"files/{file_id}")
+    job = owner.post("/jobs", json=make_job(name="input-gone", data={"train": file_id, "validation": None}))
+    assert job.status_code == 201, job.text
+    final = wait_status(owner, job.json()["id"], END, 300)
+    assert final["status"] == "failed" and final["error"]["code"] == "input_unavailable", final
+    assert file_id in final["error"]["message"]
