@@ -35,6 +35,7 @@ class ErrorCode(str, Enum):
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
+    NO_OUTPUT = "no_output"  # the job exists but has no export in the artifact store (yet)
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"

@@ -96,6 +96,24 @@ class DeepSpeedConfig(RootModel[dict[str, Any]]):
     attempt's `attempts/N/ds_config.json` in the job's folder."""
 
 
+class OutputFile(BaseModel):
+    path: str = Field(description="Relative to the export, e.g. 'model.safetensors' or 'merged/config.json'")
+    bytes: int
+    sha256: str = Field(description="The file's SHA-256, hex: what a download must hash to")
+    url: str = Field(description="Where to download it: `GET` it (a `Range` header resumes; 206)")
+
+
+class OutputList(BaseModel):
+    """A succeeded job's export, as it is in the artifact store (its manifest)."""
+
+    job_id: str
+    format: str = Field(description="huggingface: safetensors weights, config and tokenizer")
+    step: int | None = Field(description="The step the model was exported at")
+    final_loss: float | None
+    bytes: int = Field(description="All files together")
+    files: list[OutputFile]
+
+
 class JobList(BaseModel):
     data: list[JobSummary] = Field(description="Newest first; `GET /jobs/{id}` has each job's request and "
                                                "resolved configuration")

@@ -98,5 +98,8 @@ class FailureCode(str, enum.Enum):
     TIME_LIMIT = "time_limit"
     WORKER_ERROR = "worker_error"  # the supervisor itself failed
     INPUT_UNAVAILABLE = "input_unavailable"  # a stored input could not be fetched into the node's cache
+    # The export could not be put in the artifact store within FT_STORE_RETRY_SECONDS (worker/export_store.py):
+    # a job succeeds only once its model is there for clients to download.
+    STORE_UNAVAILABLE = "store_unavailable"
     # Decided by the control plane (controlplane/reaper.py).
     WORKER_LOST = "worker_lost"

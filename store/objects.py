@@ -18,12 +18,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import obstore
+from obstore.exceptions import BaseError
 from obstore.store import LocalStore, S3Store
 
 # Parts of a multipart upload, and a read's chunks: large enough for S3's minimum part (5 MiB) and throughput,
 # small enough that a process streaming many files holds little.
 CHUNK_BYTES = 8 << 20
 NotFound = FileNotFoundError
+# What a call raises when the store cannot answer (unreachable, refused, timed out, a local disk's error): obstore's
+# own errors and the OSErrors its local store and our file reads raise. A caller that retries catches these.
+StoreError = (BaseError, OSError)
 
 
 class TooLarge(Exception):

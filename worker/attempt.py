@@ -30,7 +30,7 @@ from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import RunSpec
 from trainer import fence, swap
-from worker import inputs
+from worker import export_store, inputs
 from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
@@ -122,6 +122,7 @@ class Attempt:
         self.usage: dict[str, float] = {}
         self.rank_watch = RankWatch()
         self.stopping = stopping
+        self.deadline = float("inf")  # monotonic: the job's time limit, once its ranks were launched
 
     # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
     def note(self, line: str, **where: str) -> None:
@@ -216,7 +217,7 @@ class Attempt:
                     return self.decide(self.control(), None, output_dir, 0)
             time_limit = spec.job.spec.resources.time_limit_seconds
             run = self.launch(spec, spec_file, log_dir, ext_dir, gang)
-            deadline = time.monotonic() + time_limit
+            deadline = self.deadline = time.monotonic() + time_limit
             try:
                 self.watch(run, deadline)
             finally:
@@ -393,11 +394,53 @@ class Attempt:
                 "log_tail": "\n".join(self.tail)})
         completion = read_completion(output_dir)
         if completion is not None:
-            return Outcome(Status.SUCCEEDED, output=completion)
+            return self.export(completion, output_dir, time_limit)
         if reason == "released":
             return Outcome(Status.RELEASED)
         return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail),
                                                              first_dead_rank=self.rank_watch.first_dead))
+
+    def export(self, completion: dict[str, Any], output_dir: Path, time_limit: int) -> Outcome:
+        """Node 0 found the completion marker: the job succeeds only once its export is in the artifact store."""
+        s = self.settings
+        store = s.store()
+
+        def interrupted() -> str | None:
+            reason = self.control()
+            if reason is None and time.monotonic() >= self.deadline:
+                return FailureCode.TIME_LIMIT
+            return reason
+
+        def say(line: str) -> None:
+            self.note(line)
+            self.flush()
+
+        # The ranks and their guard are gone: this thread keeps the lease, since one call to an unreachable
+        # store can block longer than its TTL.
+        try:
+            with self.lease.kept(s.lease_ttl_seconds, s.heartbeat_seconds):
+                output = export_store.publish(store, job_id=self.job_id, attempt=self.attempt,
+                                              output_dir=output_dir, completion=completion,
+                                              give_up_after=s.store_retry_seconds, interrupted=interrupted,
+                                              say=say)
+        except export_store.Interrupted as exc:
+            # No manifest was written: nothing of this upload is served, and the next export replaces it.
+            if exc.reason == FailureCode.TIME_LIMIT:
+                return Outcome(Status.FAILED, error={
+                    "code": FailureCode.TIME_LIMIT, "message": f"the job ran past its time limit of {time_limit} s "
+                    f"while its export was being uploaded to the artifact store {store.where}",
+                    "log_tail": "\n".join(self.tail)})
+            if exc.reason == "cancel":
+                return Outcome(Status.CANCELLED)
+            if exc.reason == "gang_stopped":
+                self.gang.part_over()
+            return Outcome(Status.STALE)  # a newer attempt holds the job: it exports and reports
+        except export_store.Unreachable as exc:
+            return Outcome(Status.FAILED, error={"code": FailureCode.STORE_UNAVAILABLE, "message": str(exc),
+                                                 "log_tail": "\n".join(self.tail)})
+        self.note(f"export stored: {len(output['files'])} files, {output['bytes']} bytes under {output['store']} "
+                  f"in {store.where}")
+        return Outcome(Status.SUCCEEDED, output=output)
 
     # -- the report -----------------------------------------------------------------------------
     def report(self, outcome: Outcome) -> None:

@@ -10,7 +10,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -41,6 +44,25 @@ class Lease:
             self.expires_at = sent + ttl
         except redis.RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
+
+    @contextmanager
+    def kept(self, ttl: float, every: float) -> Iterator[None]:
+        """Renewed every `every` seconds from a thread of its own while the block runs: for work after the ranks
+        ended (the export's upload) whose single calls can block longer than a TTL, and whose guard is gone."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(every):
+                self.renew(ttl)
+
+        self.renew(ttl)
+        thread = threading.Thread(target=beat, name=f"lease {self.key}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def hand_back(self, note: dict[str, Any]) -> None:
         """The part released its attempt (the worker shuts down): say why, and drop the lease at once."""

@@ -15,6 +15,9 @@ class WorkerSettings(SharedSettings):
     term_grace_seconds: float = 30.0
     # How long a finished attempt keeps trying to report its end while Redis is unreachable.
     report_retry_seconds: float = 600.0
+    # How long a finished attempt keeps trying to put its export in the artifact store while the store is
+    # unreachable; past it the job fails with store_unavailable rather than succeed with no model to download.
+    store_retry_seconds: float = 600.0
     python: str | None = None  # interpreter for the launcher; defaults to this one
     log_tail_lines: int = 40
     # DeepSpeed builds its C++/CUDA ops on first use; they are cached here, one folder per installation.
