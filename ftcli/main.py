@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from contract.codes import EventKind, JobStatus
+from ftcli import download as downloads
 from ftcli import files, render
 from ftcli.http import Api, CliError
 from ftcli.jobfile import load_job
@@ -189,6 +190,24 @@ def nodes(as_json: Json = False) -> None:
         emit(answer)
     else:
         out.print(render.nodes_table(answer["data"]))
+
+
+@app.command()
+def download(job_id: JobId,
+             dest: Annotated[Path | None, typer.Argument(help="The folder to write into (default: ./JOB_ID)")] = None,
+             parallel: Annotated[int, typer.Option(min=1, max=16, help="Files downloaded at once")] = 4,
+             as_json: Json = False) -> None:
+    """Download a succeeded job's export: every file checked against its SHA-256; an interrupted download
+    continues where it stopped (its .part file), and files already there and verified are skipped."""
+    folder = dest or Path(job_id)
+    fetched = downloads.download(Api.from_env(), job_id, folder, parallel=parallel,
+                                 console=None if as_json else err)
+    if as_json:
+        emit({"job_id": job_id, "dir": str(folder), "files": [vars(f) for f in fetched]})
+        return
+    for f in fetched:
+        out.print(f"{f.status:10} {f.bytes:>12}  {escape(f.path)}", highlight=False)
+    out.print(f"{len(fetched)} files in {escape(str(folder))}, each matching its SHA-256")
 
 
 @app.command("wait")

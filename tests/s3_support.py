@@ -21,8 +21,9 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "tests", "AWS_SECRET_ACCESS_KEY": "tests-sec
 
 
 class S3Server:
-    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
-        self.host, self.port = host, free_port()
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
+        # A port given: the server comes back where its clients knew it (an outage test restarts it).
+        self.host, self.port = host, port or free_port()
         self.endpoint = f"http://{host}:{self.port}"
         self._log = (log_dir / f"s3-{self.port}.log").open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
@@ -38,9 +39,9 @@ class S3Server:
         except httpx.HTTPError:
             return False
 
-    def bucket(self) -> str:
-        """A new, empty bucket."""
-        name = f"ft-{uuid.uuid4().hex[:12]}"
+    def bucket(self, name: str | None = None) -> str:
+        """A new, empty bucket (named `name`: one a restarted server, which keeps nothing, had before)."""
+        name = name or f"ft-{uuid.uuid4().hex[:12]}"
         answer = httpx.put(f"{self.endpoint}/{name}", timeout=10)
         assert answer.status_code == 200, answer.text
         return name

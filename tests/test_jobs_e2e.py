@@ -45,7 +45,9 @@ def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make
     assert all((Path(c["path"]) / "COMMITTED").is_file() for c in committed)
 
     out = final["output"]
-    assert "model.safetensors" in out["files"] and "config.json" in out["files"]
+    # Each file with its size and digest, as the export's manifest in the artifact store lists it.
+    assert {"model.safetensors", "config.json"} <= {f["path"] for f in out["files"]}
+    assert out["store"] == f"jobs/{job['id']}/output/" and out["bytes"] == sum(f["bytes"] for f in out["files"])
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
