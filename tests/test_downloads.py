@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,12 @@ from store.objects import Store
 from tests.conftest import create_key
 from tests.helpers import events_of, free_port, wait_for, wait_status
 from tests.s3_support import CREDENTIALS, S3Server
-from tests.test_cli import FT, ft_env
+from tests.test_cli import ft_env
 
+# This checkout's command line (`python -m ftcli.main` is what the `ft` entry point runs), whichever checkout the
+# venv's `ft` script was installed from.
+FT = [sys.executable, "-m", "ftcli.main"]
+ROOT = Path(__file__).resolve().parent.parent
 TINY = {"hyperparameters": {"max_steps": 4}, "checkpointing": {"every_steps": 4, "keep_last": 1}}
 
 
@@ -144,8 +149,8 @@ def test_ft_download_verifies_every_file_and_resumes_a_truncated_part(
         done: dict[str, Any], stack: Any, admin_key: str, tmp_path: Path, api: httpx.Client) -> None:
     env = ft_env(stack.api_url, admin_key)
     dest = tmp_path / "model"
-    first = subprocess.run([FT, "download", done["id"], str(dest), "--json"], env=env, capture_output=True,
-                           text=True, timeout=120)
+    first = subprocess.run([*FT, "download", done["id"], str(dest), "--json"], env=env, capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     listed = {f["path"]: f for f in api.get(f"/jobs/{done['id']}/output").json()["files"]}
     assert {f["path"] for f in json.loads(first.stdout)["files"]} == listed.keys()
@@ -161,8 +166,8 @@ def test_ft_download_verifies_every_file_and_resumes_a_truncated_part(
     size = config.stat().st_size
     config.unlink()
     (dest / "config.json.part").write_bytes(b"x" * size)
-    again = subprocess.run([FT, "download", done["id"], str(dest), "--json"], env=env, capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run([*FT, "download", done["id"], str(dest), "--json"], env=env, capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0, again.stderr
     status = {f["path"]: f["status"] for f in json.loads(again.stdout)["files"]}
     assert status["model.safetensors"] == "resumed" and status["config.json"] == "downloaded"
@@ -170,8 +175,8 @@ def test_ft_download_verifies_every_file_and_resumes_a_truncated_part(
     assert weights.read_bytes() == data and sha256(config.read_bytes()) == listed["config.json"]["sha256"]
     assert not list(dest.rglob("*.part"))
 
-    plain = subprocess.run([FT, "download", done["id"], str(dest)], env=env, capture_output=True, text=True,
-                           timeout=120)
+    plain = subprocess.run([*FT, "download", done["id"], str(dest)], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
     assert plain.returncode == 0 and "each matching its SHA-256" in plain.stdout, plain.stderr
 
 
