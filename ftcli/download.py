@@ -42,7 +42,7 @@ class Fetched:
     path: str
     bytes: int
     sha256: str
-    status: str  # downloaded, resumed or present (already there and verified)
+    status: str  # downloaded, continued (from a .part file) or present (already there and verified)
 
 
 def target_of(dest: Path, path: str) -> Path:
@@ -80,7 +80,7 @@ def fetch_one(api: Api, entry: dict[str, Any], dest: Path, seen: Seen) -> Fetche
         got = sha256_of(part)
         if got == sha256:
             part.replace(target)
-            return Fetched(path, size, sha256, "resumed" if resumed and attempt == 1 else "downloaded")
+            return Fetched(path, size, sha256, "continued" if resumed and attempt == 1 else "downloaded")
         # The bytes on disk are not the export's (a stale .part, a corrupted transfer): start again once.
         part.unlink()
         seen(0)

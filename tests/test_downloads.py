@@ -170,7 +170,7 @@ def test_ft_download_verifies_every_file_and_resumes_a_truncated_part(
                            text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0, again.stderr
     status = {f["path"]: f["status"] for f in json.loads(again.stdout)["files"]}
-    assert status["model.safetensors"] == "resumed" and status["config.json"] == "downloaded"
+    assert status["model.safetensors"] == "continued" and status["config.json"] == "downloaded"
     assert {s for p, s in status.items() if p not in ("model.safetensors", "config.json")} == {"present"}
     assert weights.read_bytes() == data and sha256(config.read_bytes()) == listed["config.json"]["sha256"]
     assert not list(dest.rglob("*.part"))
