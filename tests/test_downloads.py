@@ -234,7 +234,10 @@ def test_a_store_gone_past_the_retry_bound_fails_the_job_with_store_unavailable(
     own_worker(queue, env)
     job = api.post("/jobs", json=make_job(name="store-gone", resources={"queue": queue}, **TINY)).json()
     final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=400)
-    assert final["status"] == "failed" and final["output"] is None
+    # What the trainer's `completed` event said stays (the model is on the node's disk, for an operator), but
+    # nothing claims it is in the store, and there is nothing to download.
+    assert final["status"] == "failed" and "store" not in (final["output"] or {})
+    assert api.get(f"/jobs/{job['id']}/output").json()["error"]["code"] == "no_output"
     assert final["error"]["code"] == "store_unavailable", final["error"]
     assert "s3://gone/service" in final["error"]["message"]
     assert any("is unreachable" in e["line"] for e in events_of(api, job["id"], ["log"]))

@@ -123,6 +123,16 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     assert seen["lines"]["series-loss"] == len(progress) and seen["lines"]["series-lr"] == len(progress)
     assert seen["empty"] == [] and seen["gaps"] == []
     assert browser.find_element(By.ID, "log").text.strip()
+    # Each file of the export is linked; the link's own fetch, with the key, gets the file's bytes.
+    listed = api.get(f"/jobs/{training}/output").json()["files"]
+    links = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#j-output a.output-file"), 30, "output links")
+    assert sorted(a.get_attribute("href") for a in links) == sorted(stack.api_url + f["url"] for f in listed)
+    config = next(f for f in listed if f["path"] == "config.json")
+    got = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(arguments[0], {headers: {Authorization: 'Bearer ' + sessionStorage.getItem('ft-key')}})"
+        ".then((r) => r.arrayBuffer()).then((b) => done(b.byteLength));", config["url"])
+    assert got == config["bytes"]
     if os.environ.get("FT_UI_SCREENSHOT"):  # how the README's picture is made
         browser.save_screenshot(os.environ["FT_UI_SCREENSHOT"])
 
