@@ -241,3 +241,37 @@ def test_a_store_gone_past_the_retry_bound_fails_the_job_with_store_unavailable(
     assert final["error"]["code"] == "store_unavailable", final["error"]
     assert "s3://gone/service" in final["error"]["message"]
     assert any("is unreachable" in e["line"] for e in events_of(api, job["id"], ["log"]))
+
+
+def test_publish_uploads_every_file_then_the_manifest_and_a_cancel_leaves_no_manifest(tmp_path: Path) -> None:
+    """worker/export_store.publish driven directly, on a file:// store: sub-folders included, the trainer's marker
+    and any link left out, an earlier attempt's stray file and manifest replaced; stopped, it writes no manifest."""
+    from worker.export_store import Interrupted, publish
+
+    out = tmp_path / "output"
+    (out / "merged").mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"w" * 1000)
+    (out / "config.json").write_text("{}")
+    (out / "merged" / "model.safetensors").write_bytes(b"m" * 10)
+    (out / "COMPLETE").write_text("{}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the export's")
+    (out / "link.txt").symlink_to(secret)
+    (out / "linked").symlink_to(tmp_path, target_is_directory=True)
+    store = Store(f"file://{tmp_path / 'store'}")
+    store.put_bytes(output_prefix("job_x") + "stale.bin", b"old")
+    store.put_bytes(output_manifest_key("job_x"), b"{}")
+    said: list[str] = []
+    got = publish(store, job_id="job_x", attempt=2, output_dir=out, completion={"path": str(out), "step": 3},
+                  give_up_after=5, interrupted=lambda: None, say=said.append)
+    paths = ["config.json", "merged/model.safetensors", "model.safetensors"]
+    assert [f["path"] for f in got["files"]] == paths and got["bytes"] == 1012 and got["path"] == str(out)
+    assert sorted(i.key for i in store.list(output_prefix("job_x"))) == [output_prefix("job_x") + p for p in paths]
+    manifest = json.loads(store.get_bytes(output_manifest_key("job_x")))
+    assert manifest["files"] == got["files"] and manifest["attempt"] == 2 and manifest["step"] == 3
+    assert got["files"][2]["sha256"] == sha256(b"w" * 1000) and not said
+
+    with pytest.raises(Interrupted) as stopped:
+        publish(store, job_id="job_x", attempt=3, output_dir=out, completion={}, give_up_after=5,
+                interrupted=lambda: "cancel", say=said.append)
+    assert stopped.value.reason == "cancel" and store.head(output_manifest_key("job_x")) is None

@@ -66,12 +66,13 @@ def output_of(job_id: str, completion: dict[str, Any], written: dict[str, Any]) 
 def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, completion: dict[str, Any],
             give_up_after: float, interrupted: Callable[[], str | None], say: Callable[[str], None]) -> dict[str, Any]:
     """Uploads the export and writes its manifest; returns the succeeded state's `output`. Raises Interrupted or
-    Unreachable (after `give_up_after` seconds of failing calls)."""
+    Unreachable, after `give_up_after` seconds in which no call succeeded: a large export that takes longer to
+    upload is not cut short by a blip near its end."""
     prefix, manifest_key = output_prefix(job_id), output_manifest_key(job_id)
     names = local_files(output_dir)
     done: dict[str, Stored] = {}
     cleared = False
-    give_up = time.monotonic() + give_up_after
+    failing_since: float | None = None
     pause = FIRST_PAUSE_SECONDS
     while True:
         try:
@@ -83,13 +84,21 @@ def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, comple
                 if name not in done:
                     _check(interrupted)
                     done[name] = store.put_file(prefix + name, output_dir / name)
+                    failing_since, pause = None, FIRST_PAUSE_SECONDS
             listed = {item.key: item.bytes for item in store.list(prefix)}
             # A store that lost objects while it was down (or a restarted test server) has them uploaded again.
             lost = [n for n, s in done.items() if listed.get(prefix + n) != s.bytes]
             if lost:
-                say(f"the store lost {len(lost)} uploaded file(s) of the export ({lost[0]}, ...); uploading again")
                 for name in lost:
                     del done[name]
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since >= give_up_after:
+                    raise Unreachable(f"the artifact store {store.where} did not keep the export's files for "
+                                      f"{give_up_after:.0f} s (FT_STORE_RETRY_SECONDS): {lost[0]} was missing")
+                say(f"the store does not list {len(lost)} uploaded file(s) of the export ({lost[0]}, ...); "
+                    f"uploading them again in {pause:.0f} s")
+                _pause(pause, interrupted)
+                pause = min(pause * 2, MAX_PAUSE_SECONDS)
                 continue
             for key in listed.keys() - {prefix + n for n in names}:
                 store.delete(key)  # an earlier attempt's file this export does not have
@@ -98,7 +107,8 @@ def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, comple
             return output_of(job_id, completion, written)
         except StoreError as exc:
             first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-            left = give_up - time.monotonic()
+            failing_since = failing_since or time.monotonic()
+            left = failing_since + give_up_after - time.monotonic()
             if left <= 0:
                 raise Unreachable(f"the artifact store {store.where} did not take the export for "
                                   f"{give_up_after:.0f} s (FT_STORE_RETRY_SECONDS): {first_line}") from exc
