@@ -184,6 +184,7 @@ def test_two_owners_cannot_see_or_touch_each_others_jobs(apis: list[ApiProcess],
 ROUTES: list[tuple[str, str, str]] = [  # method, path (JOB: a job of the caller's owner), scope it needs
     ("GET", "/jobs", "jobs:read"), ("GET", "/jobs/JOB", "jobs:read"), ("GET", "/jobs/JOB/events", "jobs:read"),
     ("GET", "/jobs/JOB/logs", "jobs:read"), ("GET", "/jobs/JOB/deepspeed-config", "jobs:read"),
+    ("GET", "/jobs/JOB/output", "jobs:read"), ("GET", "/jobs/JOB/output/config.json", "jobs:read"),
     ("POST", "/jobs", "jobs:write"), ("POST", "/jobs/JOB/cancel", "jobs:write"),
     ("GET", "/keys", "admin"), ("POST", "/keys", "admin"), ("DELETE", "/keys/key_nope", "admin"),
     ("PUT", "/owners/team-s/quota", "admin"), ("GET", "/owners/team-s/quota", "admin"), ("GET", "/audit", "admin"),
