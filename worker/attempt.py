@@ -405,12 +405,6 @@ class Attempt:
         s = self.settings
         store = s.store()
 
-        def interrupted() -> str | None:
-            reason = self.control()
-            if reason is None and time.monotonic() >= self.deadline:
-                return FailureCode.TIME_LIMIT
-            return reason
-
         def say(line: str) -> None:
             self.note(line)
             self.flush()
@@ -421,14 +415,14 @@ class Attempt:
             with self.lease.kept(s.lease_ttl_seconds, s.heartbeat_seconds):
                 output = export_store.publish(store, job_id=self.job_id, attempt=self.attempt,
                                               output_dir=output_dir, completion=completion,
-                                              give_up_after=s.store_retry_seconds, interrupted=interrupted,
-                                              say=say)
+                                              give_up_after=s.store_retry_seconds, interrupted=self.control,
+                                              say=say, deadline=self.deadline)
         except export_store.Interrupted as exc:
             # No manifest was written: nothing of this upload is served, and the next export replaces it.
             if exc.reason == FailureCode.TIME_LIMIT:
                 return Outcome(Status.FAILED, error={
                     "code": FailureCode.TIME_LIMIT, "message": f"the job ran past its time limit of {time_limit} s "
-                    f"while its export was being uploaded to the artifact store {store.where}",
+                    f"while it waited for the artifact store {store.where} to take its export",
                     "log_tail": "\n".join(self.tail)})
             if exc.reason == "cancel":
                 return Outcome(Status.CANCELLED)

@@ -2,8 +2,9 @@
 `jobs/<id>/output/`, then the manifest `jobs/<id>/output.json` last, so a manifest's presence means the export is
 whole. Clients download it through the API (api/routes/outputs.py), never from the node's disk.
 
-While the store is unreachable the upload is retried with a growing pause, up to FT_STORE_RETRY_SECONDS; a cancel,
-a newer attempt or the job's time limit stops it between files and during each pause.
+While the store is unreachable the upload is retried with a growing pause, up to FT_STORE_RETRY_SECONDS. A cancel or a
+newer attempt stops it between files and during each pause; the job's time limit stops it only during a pause (an
+upload that is making progress finishes: the training ended within the limit, and its GPUs are free already).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contract.codes import FailureCode
 from store.layout import output_manifest_key, output_prefix
 from store.objects import Store, Stored, StoreError
 
@@ -64,7 +66,8 @@ def output_of(job_id: str, completion: dict[str, Any], written: dict[str, Any]) 
 
 
 def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, completion: dict[str, Any],
-            give_up_after: float, interrupted: Callable[[], str | None], say: Callable[[str], None]) -> dict[str, Any]:
+            give_up_after: float, interrupted: Callable[[], str | None], say: Callable[[str], None],
+            deadline: float = float("inf")) -> dict[str, Any]:
     """Uploads the export and writes its manifest; returns the succeeded state's `output`. Raises Interrupted or
     Unreachable, after `give_up_after` seconds in which no call succeeded: a large export that takes longer to
     upload is not cut short by a blip near its end."""
@@ -97,7 +100,7 @@ def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, comple
                                       f"{give_up_after:.0f} s (FT_STORE_RETRY_SECONDS): {lost[0]} was missing")
                 say(f"the store does not list {len(lost)} uploaded file(s) of the export ({lost[0]}, ...); "
                     f"uploading them again in {pause:.0f} s")
-                _pause(pause, interrupted)
+                _pause(pause, interrupted, deadline)
                 pause = min(pause * 2, MAX_PAUSE_SECONDS)
                 continue
             for key in listed.keys() - {prefix + n for n in names}:
@@ -117,7 +120,7 @@ def publish(store: Store, *, job_id: str, attempt: int, output_dir: Path, comple
                         first_line, wait)
             say(f"the artifact store {store.where} is unreachable ({first_line}); {len(done)}/{len(names)} files "
                 f"uploaded; retrying in {wait:.0f} s")
-            _pause(wait, interrupted)
+            _pause(wait, interrupted, deadline)
             pause = min(pause * 2, MAX_PAUSE_SECONDS)
 
 
@@ -127,10 +130,12 @@ def _check(interrupted: Callable[[], str | None]) -> None:
         raise Interrupted(reason)
 
 
-def _pause(seconds: float, interrupted: Callable[[], str | None]) -> None:
+def _pause(seconds: float, interrupted: Callable[[], str | None], deadline: float) -> None:
     end = time.monotonic() + seconds
     while True:
         _check(interrupted)
+        if time.monotonic() >= deadline:
+            raise Interrupted(FailureCode.TIME_LIMIT)
         left = end - time.monotonic()
         if left <= 0:
             return
