@@ -68,8 +68,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB), "
                               "except an upload's (`POST /files`: FT_MAX_FILE_BYTES).")
-    routers = (health.router, jobs.router, outputs.router, files.router, keys.router, owners.router, audit.router, nodes.router,
-               webhooks.router)
+    routers = (health.router, jobs.router, outputs.router, files.router, keys.router, owners.router, audit.router,
+               nodes.router, webhooks.router)
     # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
     # FastAPI's wrappers of included routers.
     routes = [r for router in routers for r in router.routes]

@@ -43,7 +43,7 @@ class NodeCache:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def fetch(self, store: Store, key: str, sha256: str, size: int) -> tuple[Path, IO[bytes]]:
+    def hold(self, store: Store, key: str, sha256: str, size: int) -> tuple[Path, IO[bytes]]:
         """The local copy of `key` and an open handle that holds it (keep it open while the copy is read; closing
         it lets the copy be evicted). Downloads it where it is not here; raises ValueError where the downloaded
         bytes are not `sha256`, CacheFull where it cannot fit."""

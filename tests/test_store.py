@@ -84,30 +84,30 @@ def test_the_cache_downloads_once_keeps_what_jobs_hold_and_evicts_the_least_rece
                                                                                          tmp_path: Path) -> None:
     cache = NodeCache(tmp_path / "cache", max_bytes=300)
     a, b, c = (_put(store, f"files/{n}", n.encode() * 100) for n in "abc")
-    path_a, hold_a = cache.fetch(store, "files/a", a, 100)
+    path_a, hold_a = cache.hold(store, "files/a", a, 100)
     inode = path_a.stat().st_ino
-    again, hold_again = cache.fetch(store, "files/a", a, 100)
+    again, hold_again = cache.hold(store, "files/a", a, 100)
     assert again == path_a and path_a.stat().st_ino == inode, "a cached copy was downloaded again"
     hold_again.close()
-    _, hold_b = cache.fetch(store, "files/b", b, 100)
+    _, hold_b = cache.hold(store, "files/b", b, 100)
     hold_b.close()
     os.utime(cache.path(b), (1, 1))  # b is the least recently used
-    _, hold_c = cache.fetch(store, "files/c", c, 100)
+    _, hold_c = cache.hold(store, "files/c", c, 100)
     hold_c.close()
     d = _put(store, "files/d", b"d" * 100)
-    _, hold_d = cache.fetch(store, "files/d", d, 100)
+    _, hold_d = cache.hold(store, "files/d", d, 100)
     assert not cache.path(b).exists(), "the least recently used entry was kept"
     assert cache.path(a).exists(), "an entry a job holds was evicted"
     os.utime(cache.path(a), (0, 0))  # now the oldest, but still held
     e = _put(store, "files/e", b"e" * 100)
-    cache.fetch(store, "files/e", e, 100)[1].close()
+    cache.hold(store, "files/e", e, 100)[1].close()
     assert cache.path(a).read_bytes() == b"a" * 100 and not cache.path(c).exists()
     hold_a.close()
     hold_d.close()
     with pytest.raises(CacheFull):
-        cache.fetch(store, "files/f", _put(store, "files/f", b"f" * 400), 400)
+        cache.hold(store, "files/f", _put(store, "files/f", b"f" * 400), 400)
     with pytest.raises(ValueError, match="SHA-256"):
-        cache.fetch(store, "files/a", "1" * 64, 100)
+        cache.hold(store, "files/a", "1" * 64, 100)
     assert not cache.path("1" * 64).exists()
 
 
@@ -117,7 +117,7 @@ from pathlib import Path
 from store.cache import NodeCache
 from store.objects import Store
 store = Store(sys.argv[1], sys.argv[2] or None)
-path, hold = NodeCache(Path(sys.argv[3]), 1 << 30).fetch(store, "files/big", sys.argv[4], int(sys.argv[5]))
+path, hold = NodeCache(Path(sys.argv[3]), 1 << 30).hold(store, "files/big", sys.argv[4], int(sys.argv[5]))
 print(path.stat().st_ino)
 """
 

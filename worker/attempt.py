@@ -234,7 +234,7 @@ class Attempt:
 
         def download() -> None:
             try:
-                inputs.fetch(self.settings, self.run_spec, spec.job.inputs, holds)
+                inputs.localize(self.settings, self.run_spec, spec.job.inputs, holds)
             except BaseException as exc:  # reported below, in this thread
                 failure.append(exc)
             finally:

@@ -21,7 +21,7 @@ class InputUnavailable(Exception):
     """A stored input could not be fetched: the store is unreachable, the object is gone or its bytes changed."""
 
 
-def fetch(settings: WorkerSettings, run_spec: dict[str, Any], inputs: dict[str, StoredInput],
+def localize(settings: WorkerSettings, run_spec: dict[str, Any], inputs: dict[str, StoredInput],
           holds: ExitStack) -> None:
     """Fetch every input and rewrite `run_spec`'s fields to the local copies; the copies stay held (not evictable)
     until `holds` closes."""
@@ -32,7 +32,7 @@ def fetch(settings: WorkerSettings, run_spec: dict[str, Any], inputs: dict[str, 
     data = run_spec["job"]["spec"]["data"]
     for field, found in inputs.items():
         try:
-            path, hold = cache.fetch(store, found.key, found.sha256, found.bytes)
+            path, hold = cache.hold(store, found.key, found.sha256, found.bytes)
         except (OSError, ValueError) as exc:
             raise InputUnavailable(f"{field}: stored file {found.file_id} could not be fetched from the store "
                                    f"({store.where}): {_first_line(exc)}") from exc
