@@ -244,7 +244,8 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A model by hub id (`org/name`) or by a path under the configured model root."""
+    """A model by hub id (`org/name`), by a path under the configured model root, or by a succeeded job of the
+    caller's (`job_…`), whose exported weights and tokenizer it continues from."""
 
     # PATH_MAX: the API rewrites a local model to its absolute path, which the trainer validates again.
     name_or_path: Text = Field(min_length=1, max_length=MAX_PATH_CHARS)
@@ -267,6 +268,14 @@ FILE_ID_PREFIX = "file_"
 
 def is_file_id(value: str) -> bool:
     return value.startswith(FILE_ID_PREFIX) and "/" not in value
+
+
+# A model named so is the export of a succeeded job of the caller's: continued fine-tuning.
+JOB_ID_PREFIX = "job_"
+
+
+def is_job_id(value: str) -> bool:
+    return value.startswith(JOB_ID_PREFIX) and "/" not in value
 
 
 class DataSpec(_Strict):
@@ -478,6 +487,20 @@ class StoredInput(_Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class StoredModelFile(_Strict):
+    path: str = Field(min_length=1, description="Where the file lies in the model's folder")
+    key: str
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class StoredModel(_Strict):
+    """The base model of a continued fine-tune: the export of `job_id`, as the submit found it in the store."""
+
+    job_id: str
+    files: list[StoredModelFile] = Field(min_length=1)
+
+
 class ResolvedJob(_Strict):
     """A job with every choice made: no `auto` left, the DeepSpeed JSON rendered, the reasons kept."""
 
@@ -491,6 +514,8 @@ class ResolvedJob(_Strict):
     micro_batch_auto: bool = False
     # The stored files of the spec's data fields, by field ("data.train", "data.validation").
     inputs: dict[str, StoredInput] = Field(default_factory=dict)
+    # The model, where the spec names a succeeded job of the caller's (`"model": "job_…"`).
+    base_model: StoredModel | None = None
 
 
 class RunPaths(_Strict):

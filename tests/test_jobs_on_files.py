@@ -17,7 +17,7 @@ import pytest
 from scripts.stack import Stack
 from store.objects import Store
 from tests.conftest import create_key
-from tests.helpers import wait_status
+from tests.helpers import events_of, wait_status
 from tests.test_files import checked, upload
 
 END = {"succeeded", "failed", "cancelled"}
@@ -53,8 +53,9 @@ def refused(r: httpx.Response, field: str) -> str:
     return fields[field]
 
 
-def test_a_job_trains_on_a_stored_file_fetched_into_the_nodes_cache(
-        owner: httpx.Client, make_job: Any, roots: dict[str, Path]) -> None:
+@pytest.fixture(scope="module")
+def trained(owner: httpx.Client, make_job: Any, roots: dict[str, Path]) -> dict[str, Any]:
+    """A job of the owner's, on a stored file, run to its end."""
     corpus = (roots["data"] / "corpus" / "train.txt").read_bytes()
     file_id = processed(owner, corpus)
     job = owner.post("/jobs", json=make_job(name="on-a-file", data={"train": file_id, "validation": None,
@@ -65,10 +66,43 @@ def test_a_job_trains_on_a_stored_file_fetched_into_the_nodes_cache(
     assert stored == {"file_id": file_id, "key": f"files/{file_id}", "bytes": len(corpus),
                       "sha256": hashlib.sha256(corpus).hexdigest()}
     assert job.json()["request"]["data"]["train"] == file_id  # the request as sent
-    final = wait_status(owner, job.json()["id"], END, 400)
+    return {"corpus": corpus, "stored": stored, "final": wait_status(owner, job.json()["id"], END, 400)}
+
+
+def test_a_job_trains_on_a_stored_file_fetched_into_the_nodes_cache(trained: dict[str, Any],
+                                                                     roots: dict[str, Path]) -> None:
+    final = trained["final"]
     assert final["status"] == "succeeded", final["error"]
     # The node read its own verified copy, named by the file's SHA-256.
-    assert (roots["cache"] / "sha256" / stored["sha256"]).read_bytes() == corpus
+    assert (roots["cache"] / "sha256" / trained["stored"]["sha256"]).read_bytes() == trained["corpus"]
+
+
+def test_a_job_continues_from_a_succeeded_jobs_exported_model(owner: httpx.Client, api: httpx.Client,
+                                                              trained: dict[str, Any], make_job: Any) -> None:
+    base = trained["final"]
+    assert base["status"] == "succeeded", base["error"]
+    data = {"train": trained["stored"]["file_id"], "validation": None}
+    job = owner.post("/jobs", json=make_job(name="continued", model=base["id"], data=data,
+                                            hyperparameters={"max_steps": 4}, checkpointing={"every_steps": 4}))
+    assert job.status_code == 201, job.text
+    listed = job.json()["resolved"]["base_model"]
+    exported = {f["path"]: f["sha256"] for f in base["output"]["files"]}
+    assert listed["job_id"] == base["id"] and {f["path"]: f["sha256"] for f in listed["files"]} == exported
+    final = wait_status(owner, job.json()["id"], END, 400)
+    assert final["status"] == "succeeded", final["error"]
+
+    def first_loss(job_id: str) -> float:
+        return float(next(e["loss"] for e in events_of(owner, job_id, ["progress"]) if e.get("loss") is not None))
+
+    # It starts where the first job ended, not from the base model's random start.
+    assert first_loss(final["id"]) < first_loss(base["id"]) - 0.5
+    # Only a succeeded job of the caller's is a model.
+    theirs = api.post("/jobs", json=make_job(model=base["id"], data=data, resources=PARKED))
+    assert "no job" in refused(theirs, "model.name_or_path")
+    parked = owner.post("/jobs", json=make_job(data=data, resources=PARKED)).json()
+    unfinished = owner.post("/jobs", json=make_job(model=parked["id"], data=data, resources=PARKED))
+    assert "queued" in refused(unfinished, "model.name_or_path")
+    assert owner.post(f"/jobs/{parked['id']}/cancel").status_code == 202
 
 
 def test_a_submit_takes_only_a_processed_file_of_the_callers_in_its_format(

@@ -227,14 +227,15 @@ class Attempt:
     def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> Outcome | None:
         """The job's stored files into this node's cache, the run spec pointed at them (worker/inputs.py), with
         the lease renewed while they download; a failed outcome where one cannot be fetched."""
-        if not spec.job.inputs:
+        if not spec.job.inputs and spec.job.base_model is None:
             return None
         done = threading.Event()
         failure: list[BaseException] = []
 
         def download() -> None:
             try:
-                inputs.localize(self.settings, self.run_spec, spec.job.inputs, holds)
+                inputs.localize(self.settings, self.run_spec, spec.job, holds,
+                                self.attempt_dir / f"base-model{self.suffix}")
             except BaseException as exc:  # reported below, in this thread
                 failure.append(exc)
             finally:

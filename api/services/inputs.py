@@ -1,22 +1,57 @@
-"""A job's data fields that name stored files (`file_…` from POST /files): each must be a processed file of the
-caller's; the submit records what it found (contract/spec.py `StoredInput`), so every node fetches and checks
-exactly the bytes that were validated (worker/inputs.py)."""
+"""What a job reads from the artifact store: data fields that name stored files (`file_…` from POST /files), each a
+processed file of the caller's, and a model that names a succeeded job of the caller's (continued fine-tuning).
+The submit records what it found (contract/spec.py `StoredInput`, `StoredModel`), so every node fetches and checks
+exactly the bytes that were validated or exported (worker/inputs.py)."""
 
 from __future__ import annotations
 
+import orjson
+
+from contract.codes import JobStatus
 from contract.files import FileStatus
 from contract.problems import FieldError
-from contract.spec import ResolvedJob, StoredInput, is_file_id
-from db import files
+from contract.spec import ResolvedJob, StoredInput, StoredModel, StoredModelFile, is_file_id, is_job_id
+from db import files, reads
 from db.errors import NotFound
 from store.layout import file_key
+
+# A LoRA job's export holds the adapter and, in this folder, the merged model a next job can continue from.
+MERGED = "merged/"
 
 FIELDS = ("train", "validation")
 
 
 async def resolve(resolved: ResolvedJob, owner: str) -> list[FieldError]:
+    """Record what `resolved` reads from the store; returns what is wrong."""
+    return await _data(resolved, owner) + await _base_model(resolved, owner)
+
+
+async def _base_model(resolved: ResolvedJob, owner: str) -> list[FieldError]:
+    """A model named by a job id: that job must be the caller's, succeeded, with its export in the store."""
+    name = resolved.spec.model.name_or_path
+    if not is_job_id(name):
+        return []
+    field = "model.name_or_path"
+    try:
+        job = orjson.loads(await reads.job(name, owner))
+    except NotFound:
+        return [FieldError(field, f"there is no job {name!r} of yours to continue from")]
+    output = job.get("output") or {}
+    if job["status"] != JobStatus.SUCCEEDED or not output.get("store"):
+        return [FieldError(field, f"job {name} is {job['status']} with no export in the store; only a succeeded "
+                                  "job's model can be continued from")]
+    listed = [f for f in output.get("files", []) if isinstance(f, dict)]
+    merged = [f for f in listed if f["path"].startswith(MERGED)]
+    prefix = output["store"].rstrip("/")
+    resolved.base_model = StoredModel(job_id=name, files=[
+        StoredModelFile(path=f["path"].removeprefix(MERGED), key=f"{prefix}/{f['path']}", bytes=f["bytes"],
+                        sha256=f["sha256"]) for f in (merged or listed)])
+    return []
+
+
+async def _data(resolved: ResolvedJob, owner: str) -> list[FieldError]:
     """Record the stored inputs of `resolved`'s data fields and take the data format from them where the spec
-    left it unset; returns what is wrong. Another owner's file is reported as no file at all."""
+    left it unset. Another owner's file is reported as no file at all."""
     errors: list[FieldError] = []
     data = resolved.spec.data
     formats: dict[str, str] = {}
