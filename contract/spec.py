@@ -518,6 +518,15 @@ class ResolvedJob(_Strict):
     base_model: StoredModel | None = None
 
 
+class StoreRef(_Strict):
+    """The artifact store the trainer commits checkpoints to (store/objects.py); credentials come from the
+    inherited AWS_* environment, never from this file."""
+
+    url: str
+    endpoint: str | None = None
+    job_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,40}$", description="Whose keys: jobs/<job id>/ in the store")
+
+
 class RunPaths(_Strict):
     """Where one attempt of a job reads and writes; all under the job's directory."""
 
@@ -526,6 +535,8 @@ class RunPaths(_Strict):
     output_dir: str
     model_root: str | None = None
     data_root: str | None = None
+    # Set by the worker; null for a trainer run by hand, whose checkpoints stay on its disk only.
+    store: StoreRef | None = None
 
 
 class GangMember(_Strict):

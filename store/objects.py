@@ -111,6 +111,11 @@ class Store:
         else:
             raise BadURL(f"{url!r}: the store is file://<folder> or s3://<bucket>/<prefix>")
 
+    @property
+    def absolute_url(self) -> str:
+        """The URL another process names this store by from any folder: a relative file:// one resolved."""
+        return f"file://{self.where}" if isinstance(self._store, LocalStore) else self.url
+
     def __repr__(self) -> str:
         return f"Store({self.where!r})"
 

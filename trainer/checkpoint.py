@@ -25,6 +25,7 @@ from contract.codes import EventKind
 from trainer import elastic
 from trainer.events import emit_rank0
 from trainer.fence import Fence
+from trainer.uploader import Pending, Uploads
 
 COMMITTED = "COMMITTED"
 STATE_FILE = "trainer_state.json"
@@ -84,11 +85,16 @@ def _pause_for_tests() -> None:
         time.sleep(float(pause))
 
 
-def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence) -> Path:
-    """Collective: every rank must call it at the same step."""
+def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence,
+         uploads: Uploads | None = None) -> Path:
+    """Collective: every rank must call it at the same step. With `uploads` (a job the worker runs) the
+    checkpoint is also uploaded to the store beside the next steps and committed there by its manifest
+    (trainer/uploader.py), which then emits the `checkpoint` event."""
     tag = tag_for(state.step)
     staged = fence.staging(checkpoint_dir) / tag
     tag_dir = checkpoint_dir / tag
+    if uploads is not None:
+        uploads.wait_previous()
     if rank == 0 and staged.exists():
         shutil.rmtree(staged)  # never mix the shards of two saves
     _barrier()
@@ -101,6 +107,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     elastic.record(staged, engine, rank)
     _pause_for_tests()
     _barrier()
+    owned = uploads.claim(staged) if uploads is not None else []
     removed: list[str] = []
     if rank == 0:
         fence.check(f"checkpoint {tag}")
@@ -114,9 +121,14 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
             shutil.rmtree(old, ignore_errors=True)
             removed.append(str(old))
         elastic.prune(checkpoint_dir, keep=tag_dir)
-    emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed)
+    if uploads is None:
+        emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed)
     # Nobody may start the next save (or exit) before the commit and pruning are done.
     _barrier()
+    if uploads is not None:
+        # Node 0's files were just moved into the tag folder; another host's stay in its own staging folder.
+        source = tag_dir if uploads.node_rank == 0 else staged
+        uploads.start(Pending(tag, state.step, asdict(state), source, owned, keep_last, str(tag_dir)))
     return tag_dir
 
 

@@ -6,6 +6,10 @@ own attempt and commits it (a rename into the job's `checkpoints/` or `output/`,
 after reading a fence no newer than its attempt. An older attempt that is still alive when a newer one
 starts therefore leaves its half-written state in its own staging folders, where nobody reads it.
 
+Hosts that share no disk share the artifact store: the worker raises the job's fence object there too
+(`jobs/<job id>/fence`), and rank 0 checks it (`check_store`) before it writes a checkpoint's manifest, the
+commit in the store (trainer/uploader.py).
+
 This is the second line of defence: the guard that owns the attempt's processes ends them as soon as it
 cannot prove the attempt current (worker/guard.py), before the control plane starts the next attempt.
 """
@@ -18,6 +22,8 @@ import shutil
 from pathlib import Path
 
 from contract.codes import FailureCode
+from store import checkpoints as stored
+from store.objects import Store
 from trainer.errors import TrainerError
 
 FENCE_FILE = "FENCE"
@@ -51,6 +57,13 @@ def raise_to(job_dir: Path, attempt: int) -> int:
     tmp.write_text(str(attempt))
     os.replace(tmp, job_dir / FENCE_FILE)
     return attempt
+
+
+def check_store(store: Store, job_id: str, attempt: int, what: str) -> None:
+    """The store's fence: raises Superseded when a worker started a newer attempt of the job on any host."""
+    newest = stored.read_fence(store, job_id)
+    if newest > attempt:
+        raise Superseded(f"attempt {attempt} was superseded by attempt {newest}; it does not commit {what}")
 
 
 class Fence:

@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 
 from contract.codes import EventKind
 from contract.spec import ResolvedJob, RunSpec
-from trainer import checkpoint, dsconfig, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning
+from trainer import checkpoint, dsconfig, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning, uploader
 from trainer.checkpoint import StopFlag, TrainerState
 from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
 from trainer.errors import Interrupted
@@ -120,6 +120,7 @@ class Session:
     val_blocks: Blocks | None
     rng: dict[str, Any]
     forced: oom.ForcedOOM
+    uploads: uploader.Uploads | None = None  # None: run by hand, checkpoints stay on this disk
 
 
 @dataclass
@@ -198,7 +199,23 @@ def run(run_spec: RunSpec) -> None:
     tokenizer = load_tokenizer(spec, location)
     train_blocks, val_blocks = load_blocks(spec.data, paths, tokenizer, hp.seq_len, hp.seed)
     session = Session(run_spec, rank, world, get_accelerator().current_device_name(), stop, location, tokenizer,
-                      train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM())
+                      train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM(),
+                      uploader.Uploads.for_run(run_spec, rank))
+    finished = False
+    try:
+        _run_tries(session)
+        finished = True
+    finally:
+        if session.uploads is not None:
+            # The last checkpoint's commit must not be cut off by the exit; after a SIGTERM or an error the
+            # worker kills the group soon, so it gets less time, and an unfinished one stays uncommitted.
+            session.uploads.finish(uploader.FINAL_WAIT_SECONDS if finished else uploader.STOP_WAIT_SECONDS)
+
+
+def _run_tries(session: Session) -> None:
+    run_spec, world = session.run_spec, session.world
+    job = run_spec.job
+    hp = job.spec.hyperparameters
     setting: oom.MemorySetting | None = None
     tried: list[dict[str, Any]] = []
     while True:
@@ -429,12 +446,14 @@ def _between_steps(session: Session, run: Try, loop: Loop, stop_votes: float) ->
     if eval_every and state.step % eval_every == 0 and state.step < run.total_steps:
         _evaluate_and_emit(session, run, loop)
     if stop_votes > 0:
-        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence)
+        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
+                        session.uploads)
         emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
         raise Interrupted(state.step)
     every = spec.checkpointing.every_steps
     if every and state.step % every == 0:
-        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence)
+        checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
+                        session.uploads)
 
 
 def _evaluate_and_emit(session: Session, run: Try, loop: Loop) -> None:

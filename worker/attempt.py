@@ -25,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from obstore.exceptions import BaseError as ObjectStoreError
 
 from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import RunSpec
+from store import checkpoints as stored
+from store.objects import Store
 from trainer import fence, swap
-from worker import export_store, inputs
+from worker import checkpoints, export_store, inputs
 from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
@@ -201,8 +204,14 @@ class Attempt:
             log.info("job %s attempt %s: attempt %s already started here; nothing to do", self.job_id,
                      self.attempt, newest)
             return Outcome(Status.STALE)
+        # Where the trainer commits its checkpoints (trainer/uploader.py); credentials reach it through AWS_*.
+        store = self.settings.store()
+        self.run_spec["paths"] = {**self.run_spec["paths"], "store": {
+            "url": store.absolute_url, "endpoint": self.settings.s3_endpoint_url, "job_id": self.job_id}}
         # The contract, checked as the trainer will check it: a malformed message fails here, visibly.
         spec = RunSpec.model_validate(self.run_spec)
+        if self.restore_checkpoint(spec, store) is not None:
+            return Outcome(Status.STALE)
         with ExitStack() as holds:
             unavailable = self.fetch_inputs(spec, holds)
             if unavailable is not None:
@@ -224,29 +233,60 @@ class Attempt:
                 gone = self.end(run)
             return self.conclude(run, gone, ext_dir, output_dir, time_limit)
 
-    def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> Outcome | None:
-        """The job's stored files into this node's cache, the run spec pointed at them (worker/inputs.py), with
-        the lease renewed while they download; a failed outcome where one cannot be fetched."""
-        if not spec.job.inputs and spec.job.base_model is None:
-            return None
+    def renewing(self, name: str, work: Callable[[], None]) -> BaseException | None:
+        """`work` in a thread while this one keeps the lease: a download may take longer than the lease's TTL.
+        Returns what it raised."""
         done = threading.Event()
         failure: list[BaseException] = []
 
-        def download() -> None:
+        def run() -> None:
             try:
-                inputs.localize(self.settings, self.run_spec, spec.job, holds,
-                                self.attempt_dir / f"base-model{self.suffix}")
+                work()
             except BaseException as exc:  # reported below, in this thread
                 failure.append(exc)
             finally:
                 done.set()
 
-        threading.Thread(target=download, name=f"inputs-{self.job_id}", daemon=True).start()
+        threading.Thread(target=run, name=f"{name}-{self.job_id}", daemon=True).start()
         while not done.wait(self.settings.heartbeat_seconds):
             self.lease.renew(self.settings.lease_ttl_seconds)
-        if not failure:
+        return failure[0] if failure else None
+
+    def restore_checkpoint(self, spec: RunSpec, store: Store) -> int | None:
+        """Raise the job's fence in the store, then bring the newest committed checkpoint of the store onto this
+        node (worker/checkpoints.py), the lease renewed meanwhile. Returns the newer attempt that already
+        started, if any. An unreachable store leaves this node's disk as it is, which is all a single host
+        needs; the job's log says so."""
+        newer: list[int] = []
+
+        def say(line: str, fields: dict[str, Any]) -> None:
+            self.pending.append((EventKind.LOG, {"rank": None, "line": line, "checkpoint": fields, **self.where}))
+
+        def work() -> None:
+            fence_now = stored.raise_fence(store, self.job_id, self.attempt)
+            if fence_now > self.attempt:
+                newer.append(fence_now)
+                return
+            checkpoints.restore(store, self.job_id, Path(spec.paths.checkpoint_dir), self.part, say)
+
+        exc = self.renewing("checkpoints", work)
+        if exc is not None:
+            if not isinstance(exc, (OSError, ObjectStoreError)):
+                raise exc
+            self.note(f"the store ({store.where}) could not be read for the job's checkpoints "
+                      f"({_first_line(exc)}); it resumes from what this node's disk holds", **self.where)
+        self.flush()
+        return newer[0] if newer else None
+
+    def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> Outcome | None:
+        """The job's stored files into this node's cache, the run spec pointed at them (worker/inputs.py), with
+        the lease renewed while they download; a failed outcome where one cannot be fetched."""
+        if not spec.job.inputs and spec.job.base_model is None:
             return None
-        exc = failure[0]
+        exc = self.renewing("inputs", lambda: inputs.localize(self.settings, self.run_spec, spec.job, holds,
+                                                              self.attempt_dir / f"base-model{self.suffix}"))
+        if exc is None:
+            return None
         if not isinstance(exc, inputs.InputUnavailable):
             raise exc
         self.note(str(exc), **self.where)
@@ -513,6 +553,11 @@ def on_this_node(settings: WorkerSettings, job_id: str, run: dict[str, Any]) -> 
     paths = {**run.get("paths", {}), "job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "checkpoints"),
              "output_dir": str(job_dir / "output")}
     return job_dir, {**run, "paths": paths}
+
+
+def _first_line(exc: BaseException) -> str:
+    # The store client's errors carry a multi-line debug dump after the sentence that says what failed.
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,

@@ -1,0 +1,244 @@
+"""Every committed checkpoint in the artifact store, uploaded beside training and committed by a manifest.
+
+After a local save (every rank wrote its files; barrier) the first process of each node uploads the files its
+node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` in a thread of its own, so the next
+training step does not wait, then writes its part list `…/parts/node-R.json`. Rank 0's thread waits for every
+node's part list, checks the job's fence in the store (an attempt that was superseded commits nothing), writes
+the manifest `jobs/<job id>/checkpoints/step-K.json` and only then emits the `checkpoint` event. A failing store
+delays the commit (retried with backoff until the job ends) and never fails a step; at most one checkpoint
+is in flight, so the next save first waits for the previous upload.
+
+Which node owns a file: the lowest node rank that sees it in its staging folder. On a disk all nodes share
+(one host) node 0 sees every file and uploads them all; on hosts of their own each node sees only what its
+ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from obstore.exceptions import BaseError
+
+from contract.codes import EventKind
+from contract.spec import RunSpec
+from store import checkpoints as stored
+from store import layout
+from store.objects import Store
+from trainer import fence
+from trainer.events import emit
+
+T = TypeVar("T")
+# How long the trainer waits for a pending commit before it exits: after its last step (the export ran beside
+# the upload), and after a SIGTERM, when the worker kills it once its grace (30 s by default) is over.
+FINAL_WAIT_SECONDS = 600.0
+STOP_WAIT_SECONDS = 20.0
+
+
+@dataclass(frozen=True)
+class Pending:
+    tag: str
+    step: int
+    state: dict[str, Any]
+    source: Path  # the folder this node's files are read from
+    files: list[str]  # paths relative to `source` this node uploads
+    keep_last: int
+    local_tag_dir: str  # what the `checkpoint` event names as its path, as the local commit did
+
+
+class Uploads:
+    """One attempt's uploads, in every rank (only each node's first process runs a thread)."""
+
+    def __init__(self, store: Store, job_id: str, attempt: int, *, rank: int, local_rank: int, node_rank: int,
+                 num_nodes: int) -> None:
+        self.store, self.job_id, self.attempt = store, job_id, attempt
+        self.rank, self.local_rank, self.node_rank, self.num_nodes = rank, local_rank, node_rank, num_nodes
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def for_run(cls, run_spec: RunSpec, rank: int) -> Uploads | None:
+        ref = run_spec.paths.store
+        if ref is None:
+            return None  # run by hand: checkpoints stay on this disk, committed there as before
+        placement = run_spec.placement
+        return cls(Store(ref.url, ref.endpoint), ref.job_id, run_spec.attempt, rank=rank,
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   node_rank=placement.node_rank if placement else 0,
+                   num_nodes=placement.num_nodes if placement else 1)
+
+    @property
+    def uploader(self) -> bool:
+        return self.local_rank == 0
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_previous(self) -> None:
+        """At most one checkpoint in flight: the next save waits for the previous upload and commit."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def claim(self, staged: Path) -> list[str]:
+        """Collective: the files of `staged` this node uploads (see the module's docstring); [] for all but
+        each node's first process."""
+        seen = _listing(staged) if self.uploader else None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            views: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (self.node_rank, seen))
+        else:
+            views = [(self.node_rank, seen)]
+        if not self.uploader:
+            return []
+        owner: dict[str, int] = {}
+        for node, listing in views:
+            for rel in listing or []:
+                owner[rel] = min(owner.get(rel, node), node)
+        return sorted(rel for rel, node in owner.items() if node == self.node_rank)
+
+    def start(self, pending: Pending) -> None:
+        if not self.uploader:
+            return
+        self._thread = threading.Thread(target=self._run, args=(pending,), name=f"upload-{pending.tag}",
+                                        daemon=True)
+        self._thread.start()
+
+    def finish(self, timeout: float) -> bool:
+        """Before the process exits: the pending commit, waited for at most `timeout` seconds. True when nothing
+        is left pending; otherwise that checkpoint is simply not committed."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._stop.set()
+            _say(f"the upload of a checkpoint did not finish within {timeout:.0f} s; it is not committed")
+            return False
+        return True
+
+    # -- the thread ------------------------------------------------------------------------------------------
+    def _run(self, pending: Pending) -> None:
+        try:
+            self._upload(pending)
+            if self.rank == 0:
+                self._commit(pending)
+        except _Stopped:
+            pass
+        except fence.Superseded as exc:
+            _say(str(exc))
+        except Exception:  # noqa: BLE001  # a checkpoint left uncommitted must never fail training
+            _say(f"checkpoint {pending.tag} was not committed to the store:\n{traceback.format_exc()}")
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        """`call` until it succeeds: the store client already retried for minutes; this waits out longer
+        outages for as long as the job lives."""
+        tries = 0
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                return call()
+            except FileNotFoundError:
+                raise  # a local file or an object that is gone: waiting will not bring it back
+            except (OSError, BaseError) as exc:
+                tries += 1
+                if tries == 1 or tries % 10 == 0:
+                    _say(f"store: {what} failed ({_first_line(exc)}); retrying")
+                stored.sleep_backoff(tries, self._stop)
+
+    def _upload(self, p: Pending) -> None:
+        prefix = layout.checkpoint_staging_prefix(self.job_id, self.attempt, p.tag)
+        files = []
+        for rel in p.files:
+            done = self._retry(f"uploading {rel}", lambda rel=rel: self.store.put_file(prefix + rel, p.source / rel))
+            files.append({"path": rel, "key": done.key, "bytes": done.bytes, "sha256": done.sha256})
+        part = json.dumps({"node_rank": self.node_rank, "files": files}).encode()
+        key = layout.checkpoint_part_key(self.job_id, self.attempt, p.tag, self.node_rank)
+        self._retry("writing the part list", lambda: self.store.put_bytes(key, part))
+        if self.node_rank != 0 and p.files:
+            # A host of its own: the store holds this node's files now, and only node 0's disk commits locally.
+            shutil.rmtree(p.source, ignore_errors=True)
+
+    def _commit(self, p: Pending) -> None:
+        parts_prefix = layout.checkpoint_part_key(self.job_id, self.attempt, p.tag, 0).rsplit("/", 1)[0] + "/"
+        tries = 0
+        while True:
+            listed = self._retry("listing the part lists", lambda: self.store.list(parts_prefix))
+            if len(listed) >= self.num_nodes:
+                break
+            tries += 1
+            stored.sleep_backoff(min(tries, 3), self._stop)  # another node still uploading: poll every few s
+            if self._stop.is_set():
+                raise _Stopped
+        files: list[stored.ManifestFile] = []
+        for item in sorted(listed, key=lambda i: i.key):
+            body = json.loads(self._retry("reading a part list", lambda k=item.key: self.store.get_bytes(k)))
+            files += [stored.ManifestFile(f["path"], f["key"], int(f["bytes"]), f["sha256"]) for f in body["files"]]
+        self._retry("reading the fence",
+                    lambda: fence.check_store(self.store, self.job_id, self.attempt, f"checkpoint {p.tag}"))
+        key = layout.checkpoint_manifest_key(self.job_id, p.tag)
+        manifest = stored.Manifest(key, p.step, self.attempt, p.tag, stored.now(), files, p.state)
+        self._retry("writing the manifest", lambda: self.store.put_bytes(key, manifest.to_json()))
+        removed = self._retry("pruning old checkpoints", lambda: self._prune(manifest, p.keep_last))
+        # The same shape as the local commit's event; `removed` names old checkpoints as their events did.
+        parent = Path(p.local_tag_dir).parent
+        emit(EventKind.CHECKPOINT, step=p.step, path=p.local_tag_dir, committed=True, key=key,
+             bytes=manifest.bytes, files=len(files), removed=[str(parent / m.tag) for m in removed])
+
+    def _prune(self, newest: stored.Manifest, keep_last: int) -> list[stored.Manifest]:
+        """Keep the `keep_last` newest manifests and the objects they name; delete the rest: older manifests
+        (first, so none is left naming deleted objects), then objects no kept manifest names, of this attempt
+        or an older one, at an earlier step than the one just committed (never another node's next upload)."""
+        manifests, _ = stored.read_all(self.store, self.job_id)
+        kept, old = manifests[:keep_last], manifests[keep_last:]
+        if newest.key not in {m.key for m in kept}:
+            return []  # a newer attempt committed meanwhile: its own commit prunes
+        for m in old:
+            self.store.delete(m.key)
+        named = {f.key for m in kept for f in m.files}
+        for item in self.store.list(layout.checkpoints_prefix(self.job_id)):
+            where = _staged_at(self.job_id, item.key)
+            if where is None or item.key in named:
+                continue
+            attempt, step = where
+            if attempt <= self.attempt and step < newest.step:
+                self.store.delete(item.key)
+        return old
+
+
+class _Stopped(Exception):
+    """The process is exiting: the pending checkpoint stays uncommitted."""
+
+
+def _staged_at(job_id: str, key: str) -> tuple[int, int] | None:
+    """(attempt, step) of a staged object's key, None for anything else."""
+    rest = key.removeprefix(layout.checkpoints_prefix(job_id))
+    parts = rest.split("/")
+    if len(parts) < 3 or not parts[0].startswith(".attempt-") or not parts[1].startswith("step-"):
+        return None
+    try:
+        return int(parts[0].removeprefix(".attempt-")), int(parts[1].removeprefix("step-"))
+    except ValueError:
+        return None
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _say(line: str) -> None:
+    # stderr: the rank's log, which the worker turns into log lines; stdout is the event stream.
+    print(f"[uploader] {line}", file=sys.stderr, flush=True)
