@@ -147,9 +147,7 @@ class Uploads:
                 raise _Stopped
             try:
                 return call()
-            except FileNotFoundError:
-                raise  # a local file or an object that is gone: waiting will not bring it back
-            except (OSError, BaseError) as exc:
+            except (OSError, BaseError) as exc:  # a bucket that is not there (yet) is retried too
                 tries += 1
                 if tries == 1 or tries % 10 == 0:
                     _say(f"store: {what} failed ({_first_line(exc)}); retrying")
@@ -159,6 +157,9 @@ class Uploads:
         prefix = layout.checkpoint_staging_prefix(self.job_id, self.attempt, p.tag)
         files = []
         for rel in p.files:
+            if not (p.source / rel).is_file():
+                # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
+                raise FileNotFoundError(f"{p.source / rel} is gone before it was uploaded")
             done = self._retry(f"uploading {rel}", lambda rel=rel: self.store.put_file(prefix + rel, p.source / rel))
             files.append({"path": rel, "key": done.key, "bytes": done.bytes, "sha256": done.sha256})
         part = json.dumps({"node_rank": self.node_rank, "files": files}).encode()
