@@ -16,7 +16,7 @@ from api import errors, heap
 from api.access import Scope
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
-from api.routes import audit, files, health, jobs, keys, nodes, outputs, owners, ui, webhooks
+from api.routes import audit, checkpoints, files, health, jobs, keys, nodes, outputs, owners, ui, webhooks
 from api.settings import ApiSettings, api_settings_or_exit, get_settings
 from db import idempotency
 from db import keys as keys_store
@@ -68,8 +68,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                   description="Submit DeepSpeed fine-tune jobs, follow their events and logs, get the model back. "
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB), "
                               "except an upload's (`POST /files`: FT_MAX_FILE_BYTES).")
-    routers = (health.router, jobs.router, outputs.router, files.router, keys.router, owners.router, audit.router,
-               nodes.router, webhooks.router)
+    routers = (health.router, jobs.router, outputs.router, checkpoints.router, files.router, keys.router,
+               owners.router, audit.router, nodes.router, webhooks.router)
     # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
     # FastAPI's wrappers of included routers.
     routes = [r for router in routers for r in router.routes]

@@ -353,3 +353,21 @@ class File(BaseModel):
 class FileList(BaseModel):
     data: list[File] = Field(description="Newest first")
     has_more: bool
+
+
+class CheckpointFile(BaseModel):
+    path: str = Field(description="Relative to the checkpoint: GET /jobs/{id}/checkpoints/{step}/{path} serves it")
+    bytes: int
+    sha256: str
+
+
+class StoredCheckpoint(BaseModel):
+    step: int
+    attempt: int = Field(description="The attempt that committed it")
+    bytes: int = Field(description="All its files together")
+    files: list[CheckpointFile]
+    created_at: datetime = Field(description="When its manifest was written: the moment it was committed")
+
+
+class CheckpointList(BaseModel):
+    data: list[StoredCheckpoint] = Field(description="The job's committed checkpoints in the artifact store, by step")

@@ -20,6 +20,12 @@ from store import layout
 from store.objects import Store
 
 MANIFEST_FORMAT = 1
+TAG_PREFIX = "step-"
+
+
+def tag_for(step: int) -> str:
+    """A checkpoint's tag: its folder's name on a node and its manifest's name in the store."""
+    return f"{TAG_PREFIX}{step:08d}"
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,27 @@ def parse(key: str, raw: bytes) -> Manifest:
 def is_manifest_key(job_id: str, key: str) -> bool:
     rest = key.removeprefix(layout.checkpoints_prefix(job_id))
     return rest != key and "/" not in rest and rest.startswith("step-") and rest.endswith(".json")
+
+
+async def read_all_async(store: Store, job_id: str) -> list[Manifest]:
+    """The API's view: every readable manifest, oldest step first."""
+    found = []
+    for item in await store.list_async(layout.checkpoints_prefix(job_id)):
+        if not is_manifest_key(job_id, item.key):
+            continue
+        try:
+            found.append(parse(item.key, await store.get_bytes_async(item.key)))
+        except (FileNotFoundError, ValueError):
+            continue  # pruned while we listed, or not a manifest: neither is a checkpoint to show
+    return sorted(found, key=lambda m: (m.step, m.attempt))
+
+
+async def read_async(store: Store, job_id: str, step: int) -> Manifest | None:
+    key = layout.checkpoint_manifest_key(job_id, tag_for(step))
+    try:
+        return parse(key, await store.get_bytes_async(key))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def manifest_keys(store: Store, job_id: str) -> list[str]:

@@ -156,6 +156,9 @@ class Store:
     def get_bytes(self, key: str) -> bytes:
         return bytes(obstore.get(self._store, key).bytes())
 
+    async def get_bytes_async(self, key: str) -> bytes:
+        return bytes(await (await obstore.get_async(self._store, key)).bytes_async())
+
     def iter(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """The object's bytes [start, end) in chunks; raises NotFound."""
         if self._root is not None:
@@ -197,6 +200,10 @@ class Store:
 
     def list(self, prefix: str) -> list[Listed]:
         return [Listed(m["path"], int(m["size"])) for page in obstore.list(self._store, prefix)
+                for m in page]
+
+    async def list_async(self, prefix: str) -> list[Listed]:
+        return [Listed(m["path"], int(m["size"])) async for page in obstore.list(self._store, prefix)
                 for m in page]
 
     # Deletes: a missing key is already gone.

@@ -76,3 +76,68 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
             == set()
     finally:
         server.stop()
+
+
+def test_checkpoints_are_committed_in_the_store_listed_served_and_resumed_from_it(
+        api: httpx.Client, stack: Any, make_job: Any, stack_env: dict[str, str], roots: dict[str, Path]) -> None:
+    store = store_of(stack_env)
+    q = "ckstore"
+    leaving = stack.start_worker("ckstore-1", queues=q)
+    spec = make_job(name="ckstore", hyperparameters={"max_steps": 60}, resources={"queue": q},
+                    checkpointing={"every_steps": 5, "keep_last": 3})
+    job = api.post("/jobs", json=spec).json()
+    job_id = job["id"]
+    wait_for(lambda: len(events_of(api, job_id, ["checkpoint"])) >= 4, 240, "four committed checkpoints")
+    # A deploy: the worker's job checkpoints, commits and hands itself back; then this node's disk is lost.
+    leaving.send_signal(signal.SIGTERM)
+    assert leaving.wait(90) == 0
+    stack.procs.pop("ckstore-1")
+    wait_status(api, job_id, {"queued"}, timeout=60)
+    interrupted = events_of(api, job_id, ["interrupted"])[0]
+    manifests, _ = stored.read_all(store, job_id)
+    assert manifests[0].step == interrupted["step"] and len(manifests) == 3, [m.step for m in manifests]
+    # Committed means in the store: a manifest naming objects with their sizes; keep_last holds there too.
+    for m in manifests:
+        assert m.files and all(store.head(f.key) == f.bytes for f in m.files)
+    shutil.rmtree(roots["artifacts"] / "jobs" / job_id / "checkpoints")
+    # The newest manifest names an object that is gone; the one before records another SHA-256 for a file.
+    newest, second, third = manifests
+    store.delete(newest.files[0].key)
+    body = json.loads(store.get_bytes(second.key))
+    body["files"][0]["sha256"] = "0" * 64
+    store.put_bytes(second.key, json.dumps(body).encode())
+
+    stack.start_worker("ckstore-2", queues=q)
+    try:
+        final = wait_status(api, job_id, {"succeeded", "failed", "cancelled"}, timeout=400)
+    finally:
+        stack.stop("ckstore-2")
+    assert final["status"] == "succeeded", final["error"]
+    evs = events_of(api, job_id)
+    a2 = final["attempt"]
+    started2 = next(e for e in evs if e["type"] == "started" and e["attempt"] == a2)
+    assert started2["resumed_from_step"] == third.step, started2
+    first2 = next(e for e in evs if e["type"] == "progress" and e["attempt"] == a2)
+    assert first2["step"] == third.step + 1
+    # The curve continues from the state the manifest recorded: the next global batch of 8 rows of 64 tokens,
+    # and a loss where attempt 1's stood.
+    assert 0 < first2["tokens_seen"] - third.trainer_state["tokens_seen"] <= 8 * 64
+    assert first2["loss"] == pytest.approx(third.trainer_state["last_loss"], rel=0.15)
+    why = [e for e in evs if e["type"] == "log" and e.get("checkpoint")]
+    assert any(f"step {newest.step}" in w["line"] and "missing" in w["line"] for w in why), why
+    assert any(f"step {second.step}" in w["line"] and "SHA-256" in w["line"] for w in why), why
+
+    # The store keeps the newest three; the API lists them from their manifests and serves their files.
+    manifests, _ = stored.read_all(store, job_id)
+    assert sorted(m.step for m in manifests) == [50, 55, 60]
+    listed = api.get(f"/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["step"] for c in listed] == [50, 55, 60]
+    assert all(c["bytes"] == sum(f["bytes"] for f in c["files"]) and c["created_at"] for c in listed)
+    state = api.get(f"/jobs/{job_id}/checkpoints/60/trainer_state.json")
+    assert state.status_code == 200 and json.loads(state.content)["step"] == 60
+    part = api.get(f"/jobs/{job_id}/checkpoints/60/trainer_state.json", headers={"Range": "bytes=0-3"})
+    assert part.status_code == 206 and part.content == state.content[:4]
+    for bad in ("..%2F..%2Fcheckpoints%2Fstep-00000055.json", "nothing-here.pt"):
+        answer = api.get(f"/jobs/{job_id}/checkpoints/60/{bad}")
+        assert answer.status_code == 404 and answer.json()["error"]["field"] == "path", answer.text
+    assert api.get(f"/jobs/{job_id}/checkpoints/7/trainer_state.json").json()["error"]["field"] == "step"

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from contract.codes import EventKind
+from store import checkpoints as stored
 from trainer import elastic
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -43,7 +44,7 @@ class TrainerState:
 
 
 def tag_for(step: int) -> str:
-    return f"{TAG_PREFIX}{step:08d}"
+    return stored.tag_for(step)  # one spelling: the store's manifests are named by it too
 
 
 def committed_tags(checkpoint_dir: Path) -> list[Path]:
