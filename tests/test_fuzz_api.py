@@ -115,9 +115,9 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str]) -> No
         return st.sampled_from([params["job_id"], *ended_jobs]).map(lambda job_id: {**params, "job_id": job_id})
 
     operations = [result.ok() for result in schema.get_all_operations()]
-    # 7 job operations, 2 of a job's export, 5 of files, 3 of keys, 2 of quotas, the audit log, the nodes,
-    # 3 of webhooks and the 2 probes
-    assert len(operations) == 26, [op.label for op in operations]
+    # 7 job operations, 2 of a job's export, 2 of its checkpoints, 5 of files, 3 of keys, 2 of quotas, the audit
+    # log, the nodes, 3 of webhooks and the 2 probes
+    assert len(operations) == 28, [op.label for op in operations]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
     session = requests.Session()
@@ -333,7 +333,7 @@ def test_what_the_schema_documents_beyond_one_type_is_accepted(api: httpx.Client
 def test_a_405_lists_every_method_of_its_path(api: httpx.Client, ended_jobs: list[str]) -> None:
     paths = api.get("/openapi.json").json()["paths"]
     values = {"job_id": ended_jobs[0], "owner": "allow-owner", "key_id": "key_0000000000000000",
-              "file_id": "file_" + "0" * 24, "path": "config.json"}
+              "file_id": "file_" + "0" * 24, "path": "config.json", "step": 1}
     checked = 0
     for template, operations in paths.items():
         documented = {m.upper() for m in operations}
