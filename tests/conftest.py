@@ -138,24 +138,26 @@ def api(stack: Stack, admin_key: str) -> Iterator[httpx.Client]:
         yield client
 
 
+def job_spec(**overrides: Any) -> dict[str, Any]:
+    """A small job of the tiny model on the session's corpus, with `overrides` merged in (a dict into a dict)."""
+    job: dict[str, Any] = {
+        "name": "test",
+        "model": "tiny-llama",
+        "data": {"train": "corpus/train.txt", "validation": "corpus/validation.txt"},
+        "hyperparameters": {"max_steps": 24, "learning_rate": 0.003, "warmup_steps": 2,
+                            "global_batch_size": 8, "seq_len": 64},
+        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "resources": {"num_gpus": 2, "time_limit_seconds": 600},
+        "checkpointing": {"every_steps": 8, "keep_last": 2},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(job.get(key), dict):
+            job[key] = {**job[key], **value}
+        else:
+            job[key] = value
+    return job
+
+
 @pytest.fixture
 def make_job() -> Callable[..., dict[str, Any]]:
-    def build(**overrides: Any) -> dict[str, Any]:
-        job: dict[str, Any] = {
-            "name": "test",
-            "model": "tiny-llama",
-            "data": {"train": "corpus/train.txt", "validation": "corpus/validation.txt"},
-            "hyperparameters": {"max_steps": 24, "learning_rate": 0.003, "warmup_steps": 2,
-                                "global_batch_size": 8, "seq_len": 64},
-            "deepspeed": {"zero_stage": 2, "precision": "bf16"},
-            "resources": {"num_gpus": 2, "time_limit_seconds": 600},
-            "checkpointing": {"every_steps": 8, "keep_last": 2},
-        }
-        for key, value in overrides.items():
-            if isinstance(value, dict) and isinstance(job.get(key), dict):
-                job[key] = {**job[key], **value}
-            else:
-                job[key] = value
-        return job
-
-    return build
+    return job_spec

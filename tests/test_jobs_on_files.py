@@ -16,7 +16,7 @@ import pytest
 
 from scripts.stack import Stack
 from store.objects import Store
-from tests.conftest import create_key
+from tests.conftest import create_key, job_spec
 from tests.helpers import events_of, wait_status
 from tests.test_files import checked, upload
 
@@ -54,11 +54,11 @@ def refused(r: httpx.Response, field: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(owner: httpx.Client, make_job: Any, roots: dict[str, Path]) -> dict[str, Any]:
+def trained(owner: httpx.Client, roots: dict[str, Path]) -> dict[str, Any]:
     """A job of the owner's, on a stored file, run to its end."""
     corpus = (roots["data"] / "corpus" / "train.txt").read_bytes()
     file_id = processed(owner, corpus)
-    job = owner.post("/jobs", json=make_job(name="on-a-file", data={"train": file_id, "validation": None,
+    job = owner.post("/jobs", json=job_spec(name="on-a-file", data={"train": file_id, "validation": None,
                                                                      "validation_fraction": 0.1},
                                             hyperparameters={"max_steps": 8}, checkpointing={"every_steps": 8}))
     assert job.status_code == 201, job.text
