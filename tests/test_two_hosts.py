@@ -9,6 +9,7 @@ is read from the model root, as a node's provisioned base model is (the same pat
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import uuid
@@ -138,7 +139,9 @@ def test_a_two_host_job_without_a_shared_disk_loses_a_node_resumes_from_the_stor
     # The export is in the store and downloads through the API.
     listed = api.get(f"/jobs/{job_id}/output")
     assert listed.status_code == 200, listed.text
-    names = {f["path"] for f in listed.json()["data"]}
-    assert "model.safetensors" in names and "config.json" in names
+    files = {f["path"]: f for f in listed.json()["files"]}
+    assert "model.safetensors" in files and "config.json" in files
+    config = api.get(f"/jobs/{job_id}/output/config.json")
+    assert hashlib.sha256(config.content).hexdigest() == files["config.json"]["sha256"]
     assert any(item.key.endswith("/output/model.safetensors") for item in store.list(f"jobs/{job_id}/"))
     wait_for(lambda: not job_processes(job_id), 30, "no process of the job left on any host")
