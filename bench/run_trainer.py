@@ -196,7 +196,7 @@ def reload_export(spec: Path, events: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama1b")
     p.add_argument("--zero", type=int, default=2)
@@ -230,7 +230,11 @@ def main() -> None:
     p.add_argument("--reload", action="store_true",
                    help="load the export afterwards: its held-out loss against the trainer's last eval loss "
                         "(needs --val-fraction)")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     spec = build_run(a, Path(a.work))
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.gpus), "--module", "trainer",
             "--spec", str(spec)]

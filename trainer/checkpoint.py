@@ -32,6 +32,9 @@ COMMITTED = "COMMITTED"
 STATE_FILE = "trainer_state.json"
 TAG_PREFIX = "step-"
 SAVE_PAUSE_ENV = "FT_TEST_SAVE_PAUSE_SECONDS"
+# A measuring seam (bench/checkpoint_stall.py): the save waits for its upload and commit, as a synchronous save
+# to the store would, so the cost of uploading beside training can be compared with not doing so.
+SYNC_UPLOAD_ENV = "FT_BENCH_SYNC_UPLOAD"
 
 
 @dataclass
@@ -130,6 +133,9 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
         # Node 0's files were just moved into the tag folder; another host's stay in its own staging folder.
         source = tag_dir if uploads.node_rank == 0 else staged
         uploads.start(Pending(tag, state.step, asdict(state), source, owned, keep_last, str(tag_dir)))
+        if os.environ.get(SYNC_UPLOAD_ENV):
+            uploads.wait_previous()
+            _barrier()
     return tag_dir
 
 
