@@ -127,8 +127,21 @@ def _fill(api: Api, url: str, part: Path, size: int, seen: Seen) -> None:
                            f"continue from {part}", code="unreachable")
 
 
-def download(api: Api, job_id: str, dest: Path, *, parallel: int, console: Console | None) -> list[Fetched]:
-    listing = api.json("GET", f"/jobs/{job_id}/output")
+def checkpoint_listing(api: Api, job_id: str, step: int) -> dict[str, Any]:
+    """A committed checkpoint's files, as the export's listing is shaped (each with the URL that serves it)."""
+    found = next((c for c in api.json("GET", f"/jobs/{job_id}/checkpoints")["data"] if c["step"] == step), None)
+    if found is None:
+        raise CliError(f"job {job_id} has no committed checkpoint at step {step} (`GET /jobs/{job_id}/checkpoints` "
+                       "lists them)", code="not_found", field="checkpoint")
+    files = [{**f, "url": f"/jobs/{job_id}/checkpoints/{step}/{f['path']}"} for f in found["files"]]
+    return {"files": files, "bytes": found["bytes"]}
+
+
+def download(api: Api, job_id: str, dest: Path, *, parallel: int, console: Console | None,
+             checkpoint: int | None = None) -> list[Fetched]:
+    """The export (or, with `checkpoint`, that committed checkpoint) into `dest`."""
+    listing = api.json("GET", f"/jobs/{job_id}/output") if checkpoint is None else \
+        checkpoint_listing(api, job_id, checkpoint)
     files = listing["files"]
     for entry in files:
         target_of(dest, str(entry["path"]))  # every path checked before anything is written

@@ -196,12 +196,15 @@ def nodes(as_json: Json = False) -> None:
 def download(job_id: JobId,
              dest: Annotated[Path | None, typer.Argument(help="The folder to write into (default: ./JOB_ID)")] = None,
              parallel: Annotated[int, typer.Option(min=1, max=16, help="Files downloaded at once")] = 4,
+             checkpoint: Annotated[int | None, typer.Option(
+                 min=0, help="A committed checkpoint's files (its step) instead of the export")] = None,
              as_json: Json = False) -> None:
-    """Download a succeeded job's export: every file checked against its SHA-256; an interrupted download
-    continues where it stopped (its .part file), and files already there and verified are skipped."""
-    folder = dest or Path(job_id)
+    """Download a succeeded job's export, or a committed checkpoint of any job: every file checked against its
+    SHA-256; an interrupted download continues where it stopped (its .part file), and files already there and
+    verified are skipped."""
+    folder = dest or Path(job_id if checkpoint is None else f"{job_id}-step-{checkpoint}")
     fetched = downloads.download(Api.from_env(), job_id, folder, parallel=parallel,
-                                 console=None if as_json else err)
+                                 console=None if as_json else err, checkpoint=checkpoint)
     if as_json:
         emit({"job_id": job_id, "dir": str(folder), "files": [vars(f) for f in fetched]})
         return

@@ -7,10 +7,13 @@ outage an S3 server of the test's own, really stopped and started again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from scripts.stack import ROOT
 from store import checkpoints as stored
 from store import layout
 from store.objects import Store
@@ -79,7 +83,8 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
 
 
 def test_checkpoints_are_committed_in_the_store_listed_served_and_resumed_from_it(
-        api: httpx.Client, stack: Any, make_job: Any, stack_env: dict[str, str], roots: dict[str, Path]) -> None:
+        api: httpx.Client, stack: Any, make_job: Any, stack_env: dict[str, str], roots: dict[str, Path],
+        tmp_path: Path) -> None:
     store = store_of(stack_env)
     q = "ckstore"
     leaving = stack.start_worker("ckstore-1", queues=q)
@@ -141,3 +146,13 @@ def test_checkpoints_are_committed_in_the_store_listed_served_and_resumed_from_i
         answer = api.get(f"/jobs/{job_id}/checkpoints/60/{bad}")
         assert answer.status_code == 404 and answer.json()["error"]["field"] == "path", answer.text
     assert api.get(f"/jobs/{job_id}/checkpoints/7/trainer_state.json").json()["error"]["field"] == "step"
+    # `ft download --checkpoint`: every file of one checkpoint, each checked against the manifest's SHA-256.
+    dest = tmp_path / "step-60"
+    got = subprocess.run([sys.executable, "-m", "ftcli.main", "download", job_id, str(dest), "--checkpoint", "60",
+                          "--json"], env={**os.environ, "FT_API_URL": stack.api_url,
+                                          "FT_API_KEY": api.headers["Authorization"].removeprefix("Bearer ")},
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert got.returncode == 0, got.stderr[-2000:]
+    sixty = next(c for c in listed if c["step"] == 60)
+    assert {f["path"]: f["sha256"] for f in sixty["files"]} == {
+        f["path"]: hashlib.sha256((dest / f["path"]).read_bytes()).hexdigest() for f in sixty["files"]}

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class Uploads:
         self.rank, self.local_rank, self.node_rank, self.num_nodes = rank, local_rank, node_rank, num_nodes
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._failing = threading.Event()  # the store's last call failed (set until one succeeds)
 
     @classmethod
     def for_run(cls, run_spec: RunSpec, rank: int) -> Uploads | None:
@@ -118,10 +120,15 @@ class Uploads:
         is left pending; otherwise that checkpoint is simply not committed."""
         if self._thread is None:
             return True
-        self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        # A store that is failing now gets no more of the job's time: this checkpoint only matters to a resume,
+        # and the job's end (its export, which the worker retries on its own) must not wait out an outage.
+        while self._thread.is_alive() and time.monotonic() < end and not self._failing.is_set():
+            self._thread.join(min(1.0, max(0.0, end - time.monotonic())))
         if self._thread.is_alive():
             self._stop.set()
-            _say(f"the upload of a checkpoint did not finish within {timeout:.0f} s; it is not committed")
+            why = "the store is failing" if self._failing.is_set() else f"it did not finish within {timeout:.0f} s"
+            _say(f"the upload of a checkpoint was given up at the trainer's end ({why}); it is not committed")
             return False
         return True
 
@@ -146,8 +153,11 @@ class Uploads:
             if self._stop.is_set():
                 raise _Stopped
             try:
-                return call()
+                done = call()
+                self._failing.clear()
+                return done
             except (OSError, BaseError) as exc:  # a bucket that is not there (yet) is retried too
+                self._failing.set()
                 tries += 1
                 if tries == 1 or tries % 10 == 0:
                     _say(f"store: {what} failed ({_first_line(exc)}); retrying")
