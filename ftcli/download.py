@@ -132,7 +132,7 @@ def checkpoint_listing(api: Api, job_id: str, step: int) -> dict[str, Any]:
     found = next((c for c in api.json("GET", f"/jobs/{job_id}/checkpoints")["data"] if c["step"] == step), None)
     if found is None:
         raise CliError(f"job {job_id} has no committed checkpoint at step {step} (`GET /jobs/{job_id}/checkpoints` "
-                       "lists them)", code="not_found", field="checkpoint")
+                       "lists them)", code="not_found", field="--checkpoint")
     files = [{**f, "url": f"/jobs/{job_id}/checkpoints/{step}/{f['path']}"} for f in found["files"]]
     return {"files": files, "bytes": found["bytes"]}
 
