@@ -22,7 +22,7 @@ from sqlalchemy import text
 
 from contract.codes import UNFINISHED_STATUSES, sql_list
 from contract.files import FileStatus
-from db import audit, jsonw, quotas
+from db import audit, jsonw, keyset, quotas
 from db import pool as pg
 from db.errors import FileInUse, Invalid, NotFound, StoredBytesExceeded
 from db.sqltext import named, named_params
@@ -122,20 +122,14 @@ async def get_for_owner(owner: str, file_id: str) -> Any:
 
 async def page(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:
     """Newest first, `limit` files after the file `after` (one the caller can see, or Invalid)."""
-    where, args = [], []
+    page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchrow(CURSOR, after) if owner is None else pg.fetchrow(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
             raise Invalid(f"{after!r} is not a file id; pass the last id of the previous page", "after")
-        args += [cursor["created_at"], cursor["id"]]
-        where.append("(created_at, id) < ($1, $2)")
-    if owner is not None:
-        args.append(owner)
-        where.append(f"owner = ${len(args)}")
-    args.append(limit + 1)
-    sql = (f"SELECT {COLUMNS} FROM files {'WHERE ' + ' AND '.join(where) if where else ''} "
-           f"ORDER BY created_at DESC, id DESC LIMIT ${len(args)}")
-    rows = await pg.fetch(sql, *args)
+        page.where_(f"(created_at, id) < ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
+    page.equal("owner", owner)
+    rows = await pg.fetch(page.sql(COLUMNS, "files", "created_at DESC, id DESC", limit), *page.args)
     return {"data": [view(r) for r in rows[:limit]], "has_more": len(rows) > limit}
 
 

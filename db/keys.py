@@ -7,7 +7,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from db import audit
+from db import audit, keyset
 from db import pool as pg
 from db.errors import Invalid, NotFound
 
@@ -65,20 +65,14 @@ async def create(*, owner: str, scopes: list[str], secret_hash: bytes, prefix: s
 
 async def listing(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:
     """Newest first, `limit` keys after the key `after` (Invalid where it is no key)."""
-    where, args = [], []
+    page = keyset.Page()
     if after is not None:
         cursor = await pg.fetchrow(CURSOR, after)
         if cursor is None:
             raise Invalid(f"{after!r} is not a key id; pass the last id of the previous page", "after")
-        args += [cursor["created_at"], cursor["id"]]
-        where.append("(created_at, id) < ($1, $2)")
-    if owner is not None:
-        args.append(owner)
-        where.append(f"owner = ${len(args)}")
-    args.append(limit + 1)
-    sql = (f"SELECT {COLUMNS} FROM api_keys {'WHERE ' + ' AND '.join(where) if where else ''} "
-           f"ORDER BY created_at DESC, id DESC LIMIT ${len(args)}")
-    rows = await pg.fetch(sql, *args)
+        page.where_(f"(created_at, id) < ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
+    page.equal("owner", owner)
+    rows = await pg.fetch(page.sql(COLUMNS, "api_keys", "created_at DESC, id DESC", limit), *page.args)
     return {"data": [view(k) for k in rows[:limit]], "has_more": len(rows) > limit}
 
 

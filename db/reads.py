@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
+from db import keyset
 from db import pool as pg
 from db.errors import Invalid, NotFound
 
@@ -69,21 +70,16 @@ async def jobs_page(*, status: str | None, queue: str | None, limit: int, after:
                     owner: str | None = None) -> bytes:
     """Newest first, `limit` rows after the job `after`: a keyset page on (owner, seq), (status, seq),
     (queue, seq) or seq. The cursor is a job the caller can see, or it is refused like an unknown one."""
-    where, args = [], []
+    page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchval(CURSOR, after) if owner is None else pg.fetchval(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
             raise Invalid(f"{after!r} is not a job id; pass the last id of the previous page", "after")
-        args.append(cursor)
-        where.append(f"seq < ${len(args)}")
+        page.where_(f"seq < {page.arg(cursor)}")
     for column, value in (("owner", owner), ("status", status), ("queue", queue)):
-        if value is not None:
-            args.append(value)
-            where.append(f"{column} = ${len(args)}")
-    args.append(limit + 1)
-    sql = (f"SELECT {SUMMARY_JSON} FROM jobs {'WHERE ' + ' AND '.join(where) if where else ''} "
-           f"ORDER BY seq DESC LIMIT ${len(args)}")
-    rows = [r[0] for r in await pg.fetch(sql, *args)]
+        page.equal(column, value)
+    sql = page.sql(SUMMARY_JSON, "jobs", "seq DESC", limit)
+    rows = [r[0] for r in await pg.fetch(sql, *page.args)]
     has_more = len(rows) > limit
     return b'{"data":[' + ",".join(rows[:limit]).encode() + b'],"has_more":' + (b"true" if has_more else b"false") \
         + b"}"
