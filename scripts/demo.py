@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 
 from contract.codes import EventKind, JobStatus
+from ftcli.download import download
+from ftcli.http import Api
 from scripts.client import follow, progress_line, submit
 from scripts.corpus import write_corpus
 from scripts.stack import ROOT, Stack, StackSettings, database_exists_or_create, ensure_dev_key, migrate
@@ -100,6 +102,12 @@ def main() -> int:
     try:
         stack.wait_ready()
         figures = run_demo(stack, json.loads(DEMO_JOB.read_text()), key=key)
+        job = figures["job"]
+        downloaded = None
+        if job["status"] == JobStatus.SUCCEEDED:
+            # The model as a client gets it: from the artifact store through the API, each file's SHA-256 checked.
+            downloaded = ROOT / "var" / "downloads" / job["id"]
+            download(Api(stack.api_url, key), job["id"], downloaded, parallel=4, console=None)
     finally:
         stack.stop()
     job = figures["job"]
@@ -116,8 +124,11 @@ def main() -> int:
     print(f"  first progress event {figures['first_progress_s']:.1f} s after POST /jobs; "
           f"job CPU time {p.get('cpu_seconds', 0):.0f} s")
     print(f"  checkpoints: {[c['step'] for c in job['checkpoints']]}")
-    print(f"  exported model: {job['output']['path']}  ({', '.join(job['output']['files'])})")
-    print(f"  it generates: {check_export(job['output']['path'])!r}")
+    files = job["output"]["files"]
+    print(f"  exported model: {job['output']['store']} in the artifact store ({', '.join(f['path'] for f in files)}), "
+          f"{job['output']['bytes']:,} bytes")
+    print(f"  downloaded through the API (ft download {job['id']}) to {downloaded}")
+    print(f"  it generates: {check_export(str(downloaded))!r}")
     return 0
 
 
