@@ -163,7 +163,10 @@ def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_
         for _ in range(10):
             seen = [api.get(f"/jobs/{j}").json() for j in ids]
             assert all(s["placement"] is None or len(s["placement"]) == 2 for s in seen)
-        waiting = api.get(f"/jobs/{second}").json()
+        # The second may have been submitted after the scheduler's pass that placed the first: its reason comes
+        # with the next pass.
+        waiting = wait_for(lambda: (w := api.get(f"/jobs/{second}").json())["queued_reason"] and w, 10,
+                           "the second gang's reason")
         assert waiting["placement"] is None and waiting["queued_reason"] == (
             "waiting for 2 nodes with 1 free cpu slots each on queue duo; free slots of its nodes: 0, 0")
         wait_for(lambda: progressing(api, first), 240, "the first gang training")
