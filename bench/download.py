@@ -21,22 +21,16 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import psycopg
 
-from bench.service_load import PG_ADMIN, drop_database, pick_redis_db
-from scripts.stack import Stack, migrate
+from bench.store_stack import store_stack
 from store.layout import output_prefix
 from store.objects import Store
-from tests.helpers import free_port
-from tests.s3_support import S3Server
 
 # The job the export is attached to: submitted to a queue no worker serves, then marked succeeded.
 PARKED = "bench-unserved"
@@ -64,28 +58,9 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4)
     args = parser.parse_args()
     with contextlib.ExitStack() as cleanup:
-        base = Path(tempfile.mkdtemp(prefix="ft-download-"))
-        cleanup.callback(shutil.rmtree, base, ignore_errors=True)
-        name = f"ft_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        cleanup.callback(drop_database, name)
-        env = {"FT_ENV": "development", "FT_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}",
-               "FT_REDIS_URL": f"redis://127.0.0.1:6379/{pick_redis_db()}", "FT_PORT": str(free_port()),
-               "FT_ARTIFACTS_ROOT": str(base / "artifacts"), "FT_STORE_URL": f"file://{base / 'store'}",
-               "FT_MODEL_ROOT": str(base), "FT_DATA_ROOT": str(base), "FT_ALLOW_HUB_MODELS": "true"}
+        own = store_stack(cleanup, prefix="ft-download-", store=args.store, env={"FT_ALLOW_HUB_MODELS": "true"})
+        base, env, key, stack = own.base, own.env, own.key, own.stack
         (base / "train.txt").write_text("a line to train on\n")
-        if args.store == "s3":
-            s3 = S3Server(base)
-            cleanup.callback(s3.stop)
-            env.update(s3.env(s3.bucket()))
-            os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        full = {**os.environ, **env}
-        migrate(full)
-        key = subprocess.run([sys.executable, "-m", "api.keys", "create", "--owner", "bench", "--scopes", "admin",
-                              "--name", "bench"], env=full, check=True, capture_output=True, text=True).stdout.strip()
-        stack = Stack(env, base / "logs")
-        cleanup.callback(stack.stop)
         stack.start_api()
         stack.wait_ready()
 

@@ -21,24 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 
-from bench.service_load import PG_ADMIN, drop_database, pick_redis_db, rss_bytes
-from scripts.stack import Stack, migrate
-from tests.helpers import free_port
-from tests.s3_support import S3Server
+from bench.service_load import rss_bytes
+from bench.store_stack import store_stack
 
 LINE = json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 20}) + "\n"
 
@@ -81,27 +73,9 @@ def main() -> None:
     parser.add_argument("--store", choices=["file", "s3"], default="file")
     args = parser.parse_args()
     with contextlib.ExitStack() as cleanup:
-        base = Path(tempfile.mkdtemp(prefix="ft-files-upload-"))
-        cleanup.callback(shutil.rmtree, base, ignore_errors=True)
-        name = f"ft_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        cleanup.callback(drop_database, name)
-        redis_url = f"redis://127.0.0.1:6379/{pick_redis_db()}"
-        env = {"FT_ENV": "development", "FT_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}",
-               "FT_REDIS_URL": redis_url, "FT_PORT": str(free_port()), "FT_API_WORKERS": "1",
-               "FT_ARTIFACTS_ROOT": str(base / "artifacts"), "FT_QUOTA_MAX_STORED_BYTES": "",
-               "FT_STORE_URL": f"file://{base / 'store'}"}
-        if args.store == "s3":
-            s3 = S3Server(base)
-            cleanup.callback(s3.stop)
-            env.update(s3.env(s3.bucket()))
-        full = {**os.environ, **env}
-        migrate(full)
-        key = subprocess.run([sys.executable, "-m", "api.keys", "create", "--owner", "bench", "--scopes", "admin",
-                              "--name", "bench"], env=full, check=True, capture_output=True, text=True).stdout.strip()
-        stack = Stack(env, base / "logs")
-        cleanup.callback(stack.stop)
+        own = store_stack(cleanup, prefix="ft-files-upload-", store=args.store,
+                          env={"FT_API_WORKERS": "1", "FT_QUOTA_MAX_STORED_BYTES": ""})
+        base, key, stack = own.base, own.key, own.stack
         stack.start_api()
         stack.start_controlplane()
         stack.wait_ready()
