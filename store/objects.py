@@ -242,6 +242,12 @@ def _read_file(path: Path, start: int, end: int | None) -> Iterator[bytes]:
             yield chunk
 
 
+def error_line(exc: BaseException) -> str:
+    """A store error in one line: the client's errors carry a multi-line debug dump after the sentence that says
+    what failed."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _range(start: int, end: int | None) -> dict[str, Any] | None:
     if start == 0 and end is None:
         return None

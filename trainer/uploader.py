@@ -34,7 +34,7 @@ from contract.codes import EventKind
 from contract.spec import RunSpec
 from store import checkpoints as stored
 from store import layout
-from store.objects import Store
+from store.objects import Store, error_line
 from trainer import fence
 from trainer.events import emit
 
@@ -160,7 +160,7 @@ class Uploads:
                 self._failing.set()
                 tries += 1
                 if tries == 1 or tries % 10 == 0:
-                    _say(f"store: {what} failed ({_first_line(exc)}); retrying")
+                    _say(f"store: {what} failed ({error_line(exc)}); retrying")
                 stored.sleep_backoff(tries, self._stop)
 
     def _upload(self, p: Pending) -> None:
@@ -245,9 +245,6 @@ def _staged_at(job_id: str, key: str) -> tuple[int, int] | None:
 def _listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
 
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _say(line: str) -> None:

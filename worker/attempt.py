@@ -31,7 +31,7 @@ from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import RunSpec
 from store import checkpoints as stored
-from store.objects import Store
+from store.objects import Store, error_line
 from trainer import fence, swap
 from worker import checkpoints, export_store, inputs
 from worker.gang import GangPart
@@ -274,7 +274,7 @@ class Attempt:
             if not isinstance(exc, (OSError, ObjectStoreError)):
                 raise exc
             self.note(f"the store ({store.where}) could not be read for the job's checkpoints "
-                      f"({_first_line(exc)}); it resumes from what this node's disk holds", **self.where)
+                      f"({error_line(exc)}); it resumes from what this node's disk holds", **self.where)
         self.flush()
         return newer[0] if newer else None
 
@@ -554,10 +554,6 @@ def on_this_node(settings: WorkerSettings, job_id: str, run: dict[str, Any]) -> 
              "output_dir": str(job_dir / "output")}
     return job_dir, {**run, "paths": paths}
 
-
-def _first_line(exc: BaseException) -> str:
-    # The store client's errors carry a multi-line debug dump after the sentence that says what failed.
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,

@@ -14,6 +14,7 @@ from typing import Any
 
 from contract.spec import ResolvedJob
 from store.cache import NodeCache
+from store.objects import error_line
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
             path, hold = cache.hold(store, key, sha256, size)
         except (OSError, ValueError) as exc:
             raise InputUnavailable(f"{what} could not be fetched from the store ({store.where}): "
-                                   f"{_first_line(exc)}") from exc
+                                   f"{error_line(exc)}") from exc
         holds.callback(hold.close)
         return path
 
@@ -57,7 +58,3 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
         run_spec["job"]["spec"]["model"]["name_or_path"] = str(model_dir)
         log.info("model: job %s's export is %s", job.base_model.job_id, model_dir)
 
-
-def _first_line(exc: BaseException) -> str:
-    # The store client's errors carry a multi-line debug dump after the sentence that says what failed.
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

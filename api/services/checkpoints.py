@@ -10,7 +10,7 @@ from obstore.exceptions import BaseError
 from api.errors import RETRY_AFTER_SECONDS, ApiError, ErrorCode
 from api.settings import ApiSettings
 from store import checkpoints as stored
-from store.objects import Store
+from store.objects import Store, error_line
 
 
 @lru_cache(maxsize=4)
@@ -36,10 +36,7 @@ async def get(*, store: Store, job_id: str, step: int) -> stored.Manifest | None
         raise _unavailable(exc) from exc
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
 
 def _unavailable(exc: BaseException) -> ApiError:
-    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read: {_first_line(exc)}",
+    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read: {error_line(exc)}",
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
