@@ -30,6 +30,7 @@ async def _redis_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> re
 
 @lru_cache
 def _store(url: str, endpoint: str | None) -> Store:
+    # The process's one client of the store, for every route (obstore keeps its connections).
     return Store(url, endpoint)
 
 

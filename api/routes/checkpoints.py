@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from api import ranges
 from api.access import Scope
-from api.deps import JobForCaller, JobId, SettingsDep, scoped
+from api.deps import JobForCaller, JobId, StoreDep, scoped
 from api.errors import ApiError, ErrorCode, responses
 from api.schemas import CheckpointFile, CheckpointList, StoredCheckpoint
 from api.services import checkpoints as service
@@ -22,8 +22,8 @@ Step = Annotated[int, PathParam(ge=0, le=10**12, description="The checkpoint's s
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, openapi_extra=READ)
-async def list_checkpoints(job_id: JobId, job: JobForCaller, settings: SettingsDep) -> CheckpointList:
-    found = await service.list_for(store=service.store_of(settings), job_id=job_id)
+async def list_checkpoints(job_id: JobId, job: JobForCaller, store: StoreDep) -> CheckpointList:
+    found = await service.list_for(store=store, job_id=job_id)
     return CheckpointList(data=[
         StoredCheckpoint(step=m.step, attempt=m.attempt, bytes=m.bytes, created_at=m.created_at,  # type: ignore[arg-type]
                    files=[CheckpointFile(path=f.path, bytes=f.bytes, sha256=f.sha256) for f in m.files])
@@ -34,9 +34,8 @@ async def list_checkpoints(job_id: JobId, job: JobForCaller, settings: SettingsD
             responses={200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
                        206: {"description": "The byte range asked for"},
                        416: {"description": "The range lies outside the file"}}, openapi_extra=READ)
-async def checkpoint_file(job_id: JobId, step: Step, path: str, job: JobForCaller, settings: SettingsDep,
+async def checkpoint_file(job_id: JobId, step: Step, path: str, job: JobForCaller, store: StoreDep,
                           range_header: Annotated[str | None, Header(alias="Range")] = None) -> StreamingResponse:
-    store = service.store_of(settings)
     manifest = await service.get(store=store, job_id=job_id, step=step)
     if manifest is None:
         raise ApiError(404, ErrorCode.NOT_FOUND, f"job {job_id} has no committed checkpoint at step {step}", "step")

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from api import ranges
 from api.access import Scope
-from api.deps import JobForCaller, SettingsDep, scoped
+from api.deps import JobForCaller, StoreDep, scoped
 from api.errors import RETRY_AFTER_SECONDS, ApiError, ErrorCode, responses
 from api.schemas import OutputList
 from api.services import outputs as service
@@ -34,12 +34,11 @@ async def list_output(job: JobForCaller) -> OutputList:
             responses={200: {"content": {"application/octet-stream": {}}, "description": "The whole file"},
                        206: {"content": {"application/octet-stream": {}}, "description": "The range asked for"},
                        416: {"description": "The range lies outside the file"}})
-async def download_output(job: JobForCaller, path: FilePath, settings: SettingsDep,
+async def download_output(job: JobForCaller, path: FilePath, store: StoreDep,
                           range_: Annotated[str | None, Header(alias="Range")] = None) -> StreamingResponse:
     """One file of the export; `Range: bytes=N-` resumes an interrupted download (206). `X-Content-SHA256` is the
     whole file's digest."""
     key, size, sha256 = service.file_of(job, path)
-    store = service.store_of(settings)
     try:
         found = await store.head_async(key)
     except StoreError as exc:

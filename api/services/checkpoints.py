@@ -3,23 +3,11 @@ the API's 503, like a database that cannot."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from obstore.exceptions import BaseError
 
 from api.errors import RETRY_AFTER_SECONDS, ApiError, ErrorCode
-from api.settings import ApiSettings
 from store import checkpoints as stored
 from store.objects import Store, error_line
-
-
-@lru_cache(maxsize=4)
-def _store(url: str, endpoint: str | None) -> Store:
-    return Store(url, endpoint)
-
-
-def store_of(settings: ApiSettings) -> Store:
-    return _store(settings.store_url, settings.s3_endpoint_url)
 
 
 async def list_for(*, store: Store, job_id: str) -> list[stored.Manifest]:

@@ -5,26 +5,13 @@ client spells ('../', an absolute one, an encoded one, a link) can reach anythin
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
 
 from api.errors import ApiError, ErrorCode
 from api.schemas import OutputFile, OutputList
-from api.settings import ApiSettings
 from contract.codes import JobStatus
 from store.layout import output_prefix
-from store.objects import Store
-
-
-@lru_cache
-def _store(url: str, endpoint: str | None) -> Store:
-    return Store(url, endpoint)
-
-
-def store_of(settings: ApiSettings) -> Store:
-    """The process's one client of the store (obstore keeps its connections)."""
-    return _store(settings.store_url, settings.s3_endpoint_url)
 
 
 def _stored_files(job: dict[str, Any]) -> list[dict[str, Any]]:
