@@ -37,6 +37,7 @@ from collections import Counter
 import httpx
 
 from controlplane.ingest import first_line
+from controlplane.loop import POLL_SECONDS, RETRY_MAX_SECONDS
 from controlplane.settings import ControlPlaneSettings
 from core import secretbox, webhooks
 from db import deliveries
@@ -45,12 +46,11 @@ from db.notify import WEBHOOKS, Notifications
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0
 LEASE_MARGIN_SECONDS = 30.0  # beyond the delivery's own deadline, before a claimed row counts as abandoned
-RETRY_MAX_SECONDS = 5.0
 USER_AGENT = "ft-webhooks/1"
 ERROR_CHARS = 500
 UNREADABLE = "the owner's webhook secret cannot be decrypted"
+
 
 def backoff(attempts: int, settings: ControlPlaneSettings) -> float:
     """Seconds before the next try after `attempts` failed ones: doubling from the first pause, capped, and

@@ -16,13 +16,12 @@ without its message being sent (the gap the API's own send after the commit had)
 from __future__ import annotations
 
 import logging
-import threading
 from datetime import datetime, timezone
 
 import redis
 
 from controlplane.dispatch import dispatch
-from controlplane.ingest import first_line
+from controlplane.loop import WokenLoop
 from controlplane.scheduler import Scheduler
 from controlplane.settings import ControlPlaneSettings
 from db import placement
@@ -31,34 +30,20 @@ from db.notify import DISPATCH, Notifications
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0
 BATCH = 200  # rows locked and sent per transaction
-RETRY_MAX_SECONDS = 5.0
 
 
-class Dispatcher:
+class Dispatcher(WokenLoop):
+    name = "dispatching"
+    log = log
+    handled_message = "sent %d job(s) to the workers"
+
     def __init__(self, client: redis.Redis, settings: ControlPlaneSettings,
                  notifications: Notifications | None = None) -> None:
-        """`notifications`: the control plane's LISTEN loop, which wakes it on `ft_dispatch`; without one it only
-        looks every POLL_SECONDS."""
+        super().__init__(DISPATCH, notifications)
         self.r = client
         self.settings = settings
         self.scheduler = Scheduler(client, settings)
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._woken = threading.Event()
-        if notifications is not None:
-            notifications.subscribe(DISPATCH, self._woken.set)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._woken.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * POLL_SECONDS + 1)
 
     def step(self) -> int:
         """Place what fits, then send every placed job that has not been sent; returns how many were sent."""
@@ -76,20 +61,3 @@ class Dispatcher:
             sent += len(jobs)
             if len(jobs) < BATCH:
                 return sent
-
-    def _run(self) -> None:
-        pause = 0.5
-        while not self._stopping.is_set():
-            # Cleared before the pass: a notification during it is served by the next pass, at once.
-            self._woken.clear()
-            try:
-                sent = self.step()
-            except Exception as exc:  # an outage of Postgres, Redis or the broker: wait and look again
-                log.warning("dispatching failed (%s); retrying in %.1f s", first_line(exc), pause)
-                self._stopping.wait(pause)
-                pause = min(pause * 2, RETRY_MAX_SECONDS)
-                continue
-            if sent:
-                log.info("sent %d job(s) to the workers", sent)
-            pause = 0.5
-            self._woken.wait(POLL_SECONDS)

@@ -11,13 +11,12 @@ lease has run out. A file deleted during its check is left deleted.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator
 
 from contract import datasets
 from contract.files import FileStatus
-from controlplane.ingest import first_line
+from controlplane.loop import WokenLoop
 from controlplane.settings import ControlPlaneSettings
 from db import files
 from db.engine import session_scope
@@ -27,33 +26,18 @@ from store.objects import NotFound, Store
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0
 LEASE_SECONDS = 120.0
 RENEW_SECONDS = 30.0  # well within the lease: a slow store read between renewals does not lose it
-RETRY_MAX_SECONDS = 5.0
 
 
-class Validator:
+class Validator(WokenLoop):
+    name = "checking files"
+    log = log
+
     def __init__(self, settings: ControlPlaneSettings, notifications: Notifications | None = None,
                  store: Store | None = None) -> None:
-        """`notifications`: the control plane's LISTEN loop, which wakes it on `ft_files`; without one it only
-        looks every POLL_SECONDS."""
+        super().__init__(FILES, notifications)
         self.store = store or settings.store()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._woken = threading.Event()
-        if notifications is not None:
-            notifications.subscribe(FILES, self._woken.set)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="validator", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._woken.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * POLL_SECONDS + 1)
 
     def step(self) -> int:
         """Check every file waiting for it; returns how many were checked."""
@@ -95,18 +79,3 @@ class Validator:
                     files.renew(session, file_id=file_id, lease_seconds=LEASE_SECONDS)
                 renewed = time.monotonic()
             yield chunk
-
-    def _run(self) -> None:
-        pause = 0.5
-        while not self._stopping.is_set():
-            # Cleared before the pass: an upload during it is served by the next pass, at once.
-            self._woken.clear()
-            try:
-                self.step()
-            except Exception as exc:  # Postgres or the store away: the claimed file's lease runs out; look again
-                log.warning("checking files failed (%s); retrying in %.1f s", first_line(exc), pause)
-                self._stopping.wait(pause)
-                pause = min(pause * 2, RETRY_MAX_SECONDS)
-                continue
-            pause = 0.5
-            self._woken.wait(POLL_SECONDS)
