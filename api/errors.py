@@ -23,6 +23,7 @@ from starlette.types import Scope
 
 from contract.problems import FieldError, SpecError
 from db import errors as db
+from store.objects import error_line
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,12 @@ def from_db(exc: db.DbError) -> ApiError:
 def unavailable(what: str) -> JSONResponse:
     return error_response(503, ErrorCode.UNAVAILABLE, f"{what} is unreachable; retry in {RETRY_AFTER_SECONDS} s",
                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def store_unavailable(exc: BaseException) -> ApiError:
+    """The artifact store could not be read (unreachable, or refusing): a 503 to retry, as for the database."""
+    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read ({error_line(exc)}); retry "
+                    f"in {RETRY_AFTER_SECONDS} s", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def allowed_methods(routes: Sequence[BaseRoute], scope: Scope) -> str:

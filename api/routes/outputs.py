@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from api import ranges
 from api.access import Scope
 from api.deps import JobForCaller, StoreDep, scoped
-from api.errors import RETRY_AFTER_SECONDS, ApiError, ErrorCode, responses
+from api.errors import ApiError, ErrorCode, responses, store_unavailable
 from api.schemas import OutputList
 from api.services import outputs as service
 from store.objects import StoreError
@@ -42,9 +42,7 @@ async def download_output(job: JobForCaller, path: FilePath, store: StoreDep,
     try:
         found = await store.head_async(key)
     except StoreError as exc:
-        raise ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store is unreachable ({type(exc).__name__}); "
-                       f"retry in {RETRY_AFTER_SECONDS} s", None,
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        raise store_unavailable(exc) from None
     if found != size:
         raise ApiError(404, ErrorCode.NOT_FOUND, f"path: {path!r} is listed in the export but missing from the "
                        "artifact store", "path")
