@@ -51,6 +51,10 @@ USERS = (f"SELECT id FROM jobs WHERE status IN {sql_list(UNFINISHED_STATUSES)} "
          "AND (request->'data'->>'train' = $1 OR request->'data'->>'validation' = $1) ORDER BY seq LIMIT 5")
 DELETE = "DELETE FROM files WHERE id = $1"
 FOR_JOB = "SELECT id, status, sha256, bytes, format FROM files WHERE id = $1 AND owner = $2"
+# A submit's hold on the files its job names, until it commits: a delete (FOR UPDATE above) waits for it and then
+# finds the job, or ran first and the submit finds no file. KEY SHARE, the weakest lock a delete conflicts with,
+# leaves the validator's status update and other submits unblocked.
+HOLD_FOR_JOB = "SELECT id, status FROM files WHERE id = ANY($1::text[]) AND owner = $2 ORDER BY id FOR KEY SHARE"
 
 
 def new_id() -> str:
@@ -118,6 +122,19 @@ async def get_for_owner(owner: str, file_id: str) -> Any:
     if row is None:
         raise not_found(file_id)
     return row
+
+
+async def hold_for_job(conn: asyncpg.Connection, owner: str, named: dict[str, str]) -> None:
+    """Within a submit's transaction: lock the owner's files that `named` (field: file id) names against a delete
+    until the job row commits, and check again that each is still there and processed (Invalid naming the field
+    otherwise: the check before the transaction saw it, but a delete may have won since)."""
+    found = {r["id"]: r["status"] for r in await conn.fetch(HOLD_FOR_JOB, sorted(set(named.values())), owner)}
+    for field, file_id in named.items():
+        status = found.get(file_id)
+        if status is None:
+            raise Invalid(f"there is no file {file_id!r} of yours (deleted while the job was submitted)", field)
+        if status != FileStatus.PROCESSED:
+            raise Invalid(f"file {file_id} is {status}; only a processed file can be trained on", field)
 
 
 async def page(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
-from db import audit, events, idempotency, jsonw, quotas, reads
+from db import audit, events, files, idempotency, jsonw, quotas, reads
 from db import pool as pg
 from db.errors import Conflict, NotFound, QuotaExceeded
 
@@ -65,14 +65,17 @@ class NewJob:
     job_dir: str
     progress: dict[str, Any]
     metadata: dict[str, Any]
+    # The stored files the job trains on (request field: file id), held against a delete until the row commits.
+    files: dict[str, str] = field(default_factory=dict)
 
 
 async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.Limits,
                  idempotency_key: str | None = None, request_hash: bytes = b"",
                  keep_hours: float = 24.0) -> tuple[int, bytes]:
-    """Insert the job within its owner's quota (QuotaExceeded otherwise), with its first event and audit entry.
-    Returns the status and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the
-    first answer."""
+    """Insert the job within its owner's quota (QuotaExceeded otherwise), with its first event and audit entry,
+    its stored files locked and found processed in the same transaction (Invalid naming the field otherwise), so a
+    file deleted at the same moment is either refused here or sees this job and refuses the delete. Returns the
+    status and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the first answer."""
     owner, gpus = job.owner, job.gpus
     args: list[Any] = [job.id, job.name, job.queue, jsonw.dumps(job.request), jsonw.dumps(job.resolved), job.job_dir,
                        jsonw.dumps(job.progress), jsonw.dumps(job.metadata), owner, gpus]
@@ -84,7 +87,8 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
     tail = [jsonw.dumps(actor), actor["key_id"], job.priority]
     try:
         async with (await pg.pool()).acquire() as conn:
-            if idempotency_key is None and defaults == (None, None) and not await quotas.has_row(conn, owner):
+            if (idempotency_key is None and not job.files and defaults == (None, None)
+                    and not await quotas.has_row(conn, owner)):
                 # Nothing to count and nothing to remember: the one statement, no transaction around it.
                 delivery = await _first_delivery(conn, view, first)
                 row = await conn.fetchrow(INSERT_UNCOUNTED, *args, None, None, *tail, *delivery)
@@ -93,6 +97,8 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
                 if idempotency_key is not None:
                     await idempotency.claim(conn, owner=owner, key=idempotency_key, hashed=request_hash,
                                             keep_hours=keep_hours)
+                if job.files:
+                    await files.hold_for_job(conn, owner, job.files)
                 limits = await quotas.lock(conn, owner, defaults)
                 counted = limits != (None, None)
                 delivery = await _first_delivery(conn, view, first)

@@ -11,9 +11,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +277,59 @@ def test_a_file_a_job_that_has_not_ended_names_cannot_be_deleted(api: httpx.Clie
     assert job["id"] in err["message"]
     assert api.post(f"/jobs/{job['id']}/cancel").status_code == 202
     assert api.delete(f"/files/{created['id']}").status_code == 200
+
+
+def test_a_delete_racing_many_submits_never_leaves_a_job_on_a_deleted_file(
+        stack: Stack, mine: tuple[str, httpx.Client], make_job: Any) -> None:
+    """Submits on one file, sent a few milliseconds apart, and its delete among them, round after round with the
+    delete later each time: a submit either made its job before the delete (which is then refused as in use) or is a
+    422 after it; no job that has not ended ever names a deleted file, and nothing is a 500."""
+    owner, client = mine
+    submits, spread = 12, 0.06
+    outcomes = []
+    with ThreadPoolExecutor(submits + 1) as pool:
+        for delay in [0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.01, 0.02, 0.03, 0.04]:
+            file_id = upload(client, b"raced\n").json()["id"]
+            assert checked(client, file_id)["status"] == "processed"
+            spec = make_job(name="files-race", data={"train": file_id, "validation": None},
+                            resources={"queue": "files-parked"})
+            start = threading.Barrier(submits + 1)
+
+            def submit(after: float, spec: dict[str, Any] = spec, start: threading.Barrier = start) -> httpx.Response:
+                start.wait()
+                time.sleep(after)
+                return client.post("/jobs", json=spec)
+
+            def delete(file_id: str = file_id, start: threading.Barrier = start,
+                       delay: float = delay) -> httpx.Response:
+                start.wait()
+                time.sleep(delay)
+                return client.delete(f"/files/{file_id}")
+
+            answers = [pool.submit(submit, i * spread / submits) for i in range(submits)]
+            deleted = pool.submit(delete).result()
+            made = [a.result() for a in answers]
+            assert {r.status_code for r in made} <= {201, 422}, [(r.status_code, r.text) for r in made]
+            assert deleted.status_code in (200, 409), deleted.text
+            jobs = [r.json()["id"] for r in made if r.status_code == 201]
+            if deleted.status_code == 200:
+                # The file is gone: any job that was made must have ended, and none has (they wait on a parked
+                # queue), so none may have been made.
+                assert jobs == [], f"jobs {jobs} name file {file_id}, deleted under them"
+                assert client.get(f"/files/{file_id}").status_code == 404
+                for r in made:
+                    assert r.json()["error"]["details"][0]["field"] == "data.train", r.text
+            else:
+                error_of(deleted, 409, "file_in_use", "id")
+                assert jobs and client.get(f"/files/{file_id}").status_code == 200
+                assert len(jobs) == submits, [r.text for r in made]  # the file outlived every submit
+            assert {client.get(f"/jobs/{j}").json()["status"] for j in jobs} <= {"queued"}
+            outcomes.append((delay, deleted.status_code, len(jobs)))
+            for job in jobs:
+                assert client.post(f"/jobs/{job}/cancel").status_code == 202
+            if deleted.status_code == 409:
+                assert client.delete(f"/files/{file_id}").status_code == 200
+    print(f"{owner}: (delete delay, delete status, jobs made) per round: {outcomes}")
 
 
 def test_another_owners_file_is_not_found_anywhere(stack: Stack, env: dict[str, str]) -> None:

@@ -69,7 +69,8 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
                        job_dir=str(root_path(settings.artifacts_root) / "jobs" / job_id),
                        progress={"step": 0, "total_steps": spec.hyperparameters.max_steps}, metadata=spec.metadata,
                        # What a quota counts: every GPU of the job, on all its nodes.
-                       owner=caller.owner, gpus=resources.num_gpus * resources.num_nodes, priority=resources.priority)
+                       owner=caller.owner, gpus=resources.num_gpus * resources.num_nodes, priority=resources.priority,
+                       files={name: found.file_id for name, found in resolved.inputs.items()})
     return await store.submit(
         job=job, actor=caller.actor(), defaults=quota_defaults(settings),
         idempotency_key=idempotency_key, keep_hours=settings.idempotency_hours,
