@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import obstore
-from obstore.exceptions import BaseError
+from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import LocalStore, S3Store
 
 # Parts of a multipart upload, and a read's chunks: large enough for S3's minimum part (5 MiB) and throughput,
@@ -36,6 +36,10 @@ class TooLarge(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"more than {limit} bytes")
         self.limit = limit
+
+
+class AlreadyExists(Exception):
+    """A write made only where the key was free found it taken; nothing was written."""
 
 
 class BadURL(ValueError):
@@ -138,8 +142,13 @@ class Store:
             return self.put_bytes(key, path.read_bytes())
         return self.put(key, _file_chunks(path))
 
-    def put_bytes(self, key: str, data: bytes) -> Stored:
-        obstore.put(self._store, key, data)
+    def put_bytes(self, key: str, data: bytes, *, create: bool = False) -> Stored:
+        """`create`: only where no object is at `key` (AlreadyExists otherwise), atomically: of two writers, one
+        wins. The folder store and S3 (If-None-Match) both honour it."""
+        try:
+            obstore.put(self._store, key, data, mode="create" if create else "overwrite")
+        except AlreadyExistsError as exc:
+            raise AlreadyExists(key) from exc
         return Stored(key, len(data), hashlib.sha256(data).hexdigest())
 
     # Reads.

@@ -6,9 +6,10 @@ own attempt and commits it (a rename into the job's `checkpoints/` or `output/`,
 after reading a fence no newer than its attempt. An older attempt that is still alive when a newer one
 starts therefore leaves its half-written state in its own staging folders, where nobody reads it.
 
-Hosts that share no disk share the artifact store: the worker raises the job's fence object there too
-(`jobs/<job id>/fence`), and rank 0 checks it (`check_store`) before it writes a checkpoint's manifest, the
-commit in the store (trainer/uploader.py).
+Hosts that share no disk share the artifact store: the worker takes the job over there too
+(`jobs/<job id>/fences/`), and rank 0 checks it (`check_store`) before it writes a checkpoint's manifest, the
+commit in the store (trainer/uploader.py). That check cannot be atomic with the write; what a superseded attempt
+writes after it passed is past the attempt's cut, which every reader of the store honours (store/checkpoints.py).
 
 This is the second line of defence: the guard that owns the attempt's processes ends them as soon as it
 cannot prove the attempt current (worker/guard.py), before the control plane starts the next attempt.
@@ -61,7 +62,7 @@ def raise_to(job_dir: Path, attempt: int) -> int:
 
 def check_store(store: Store, job_id: str, attempt: int, what: str) -> None:
     """The store's fence: raises Superseded when a worker started a newer attempt of the job on any host."""
-    newest = stored.read_fence(store, job_id)
+    newest = stored.read_fence(store, job_id).attempt
     if newest > attempt:
         raise Superseded(f"attempt {attempt} was superseded by attempt {newest}; it does not commit {what}")
 

@@ -198,9 +198,11 @@ class Uploads:
             files += [stored.ManifestFile(f["path"], f["key"], int(f["bytes"]), f["sha256"]) for f in body["files"]]
         self._retry("reading the fence",
                     lambda: fence.check_store(self.store, self.job_id, self.attempt, f"checkpoint {p.tag}"))
-        key = layout.checkpoint_manifest_key(self.job_id, p.tag)
+        key = layout.checkpoint_manifest_key(self.job_id, p.tag, self.attempt)
         manifest = stored.Manifest(key, p.step, self.attempt, p.tag, stored.now(), files, p.state)
-        self._retry("writing the manifest", lambda: self.store.put_bytes(key, manifest.to_json()))
+        # Superseded between the check and this write, the manifest lands past this attempt's cut: readers
+        # never trust it (store/checkpoints.py).
+        self._retry("writing the manifest", lambda: stored.commit(self.store, manifest))
         removed = self._retry("pruning old checkpoints", lambda: self._prune(manifest, p.keep_last))
         # The same shape as the local commit's event; `removed` names old checkpoints as their events did.
         parent = Path(p.local_tag_dir).parent

@@ -263,7 +263,7 @@ class Attempt:
             self.pending.append((EventKind.LOG, {"rank": None, "line": line, "checkpoint": fields, **self.where}))
 
         def work() -> None:
-            fence_now = stored.raise_fence(store, self.job_id, self.attempt)
+            fence_now = stored.raise_fence(store, self.job_id, self.attempt).attempt
             if fence_now > self.attempt:
                 newer.append(fence_now)
                 return

@@ -40,7 +40,7 @@ def restore(store: Store, job_id: str, checkpoint_dir: Path, node_rank: int, say
     propagate: the caller decides what an unreachable store means."""
     manifests, unreadable = stored.read_all(store, job_id)
     for key, why in unreadable:
-        say(f"checkpoint manifest {key} is unreadable and is not resumed from: {why}",
+        say(f"checkpoint manifest {key} is not resumed from: {why}",
             {"key": key, "reason": why})
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     # Two nodes of a job that share this folder (one host) restore one after the other: the second finds it done.
