@@ -198,13 +198,18 @@ def download(job_id: JobId,
              parallel: Annotated[int, typer.Option(min=1, max=16, help="Files downloaded at once")] = 4,
              checkpoint: Annotated[int | None, typer.Option(
                  min=0, help="A committed checkpoint's files (its step) instead of the export")] = None,
+             chunk_size: Annotated[str, typer.Option(
+                 help="A larger file comes in ranged requests of this size (bytes, or with K, M, G)")] = "64M",
+             connections: Annotated[int, typer.Option(min=1, max=16, help="Chunks of one file fetched at once")] = 4,
              as_json: Json = False) -> None:
     """Download a succeeded job's export, or a committed checkpoint of any job: every file checked against its
-    SHA-256; an interrupted download continues where it stopped (its .part file), and files already there and
-    verified are skipped."""
+    SHA-256, a large one in chunks over a few connections; an interrupted download continues where it stopped (its
+    .part file, only the chunks missing), and files already there and verified are skipped."""
     folder = dest or Path(job_id if checkpoint is None else f"{job_id}-step-{checkpoint}")
     fetched = downloads.download(Api.from_env(), job_id, folder, parallel=parallel,
-                                 console=None if as_json else err, checkpoint=checkpoint)
+                                 console=None if as_json else err, checkpoint=checkpoint,
+                                 chunk_bytes=downloads.parse_size(chunk_size, "--chunk-size"),
+                                 connections=connections)
     if as_json:
         emit({"job_id": job_id, "dir": str(folder), "files": [vars(f) for f in fetched]})
         return

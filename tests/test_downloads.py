@@ -180,6 +180,64 @@ def test_ft_download_verifies_every_file_and_resumes_a_truncated_part(
     assert plain.returncode == 0 and "each matching its SHA-256" in plain.stdout, plain.stderr
 
 
+def test_ft_download_fetches_a_large_file_in_chunks_resumes_only_the_missing_ones_and_catches_a_bad_one(
+        done: dict[str, Any], stack: Any, admin_key: str, tmp_path: Path, api: httpx.Client) -> None:
+    """The chunk size is made small here so that the tiny job's weights span several chunks."""
+    env = ft_env(stack.api_url, admin_key)
+    listed = {f["path"]: f for f in api.get(f"/jobs/{done['id']}/output").json()["files"]}
+    size = listed["model.safetensors"]["bytes"]
+    chunk = max(1024, size // 5 + 1)
+    count = -(-size // chunk)
+    assert count >= 3, f"the weights ({size} bytes) must span several chunks"
+    dest = tmp_path / "model"
+
+    def run() -> dict[str, dict[str, Any]]:
+        done_ = subprocess.run([*FT, "download", done["id"], str(dest), "--json", "--chunk-size", str(chunk),
+                                "--connections", "3"], env=env, capture_output=True, text=True, timeout=120,
+                               cwd=ROOT)
+        assert done_.returncode == 0, done_.stderr
+        assert not list(dest.rglob("*.part")) and not list(dest.rglob("*.chunks"))
+        return {f["path"]: f for f in json.loads(done_.stdout)["files"]}
+
+    first = run()["model.safetensors"]
+    weights = dest / "model.safetensors"
+    data = weights.read_bytes()
+    assert first["status"] == "downloaded" and first["transferred"] == size and sha256(data) == first["sha256"]
+
+    def leave(done_chunks: list[int], content: bytes) -> None:
+        """What a run stopped part way leaves: the .part at its full size and the list of chunks that arrived."""
+        weights.unlink()
+        (dest / "model.safetensors.part").write_bytes(content)
+        (dest / "model.safetensors.part.chunks").write_text(
+            json.dumps({"bytes": size, "chunk_bytes": chunk, "done": done_chunks}))
+
+    def holding(chunks: list[int], source: bytes) -> bytes:
+        kept = bytearray(size)
+        for i in chunks:
+            kept[i * chunk:(i + 1) * chunk] = source[i * chunk:(i + 1) * chunk]
+        return bytes(kept)
+
+    # Interrupted after chunks 0 and 2: only the others are fetched again.
+    leave([0, 2], holding([0, 2], data))
+    resumed = run()["model.safetensors"]
+    assert resumed["status"] == "continued" and weights.read_bytes() == data
+    assert resumed["transferred"] == size - len(data[0:chunk]) - len(data[2 * chunk:3 * chunk])
+
+    # A .part a one-request run left (a prefix, no list): the chunks inside it are kept.
+    weights.unlink()
+    (dest / "model.safetensors.part").write_bytes(data[: chunk + chunk // 2])
+    prefix = run()["model.safetensors"]
+    assert prefix["status"] == "continued" and prefix["transferred"] == size - chunk and weights.read_bytes() == data
+
+    # A chunk the list names as whole but whose bytes are wrong: the hash catches it and the file comes again.
+    bad = bytearray(holding([0, 1], data))
+    bad[chunk + 7] ^= 0xFF
+    leave([0, 1], bytes(bad))
+    caught = run()["model.safetensors"]
+    assert caught["status"] == "downloaded" and weights.read_bytes() == data
+    assert caught["transferred"] == (size - 2 * chunk) + size
+
+
 # -- the store down during the export ------------------------------------------------------------------------
 
 
