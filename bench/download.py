@@ -1,11 +1,13 @@
 """`ft download` of a large export against reading the same bytes from local disk.
 
-`python -m bench.download [--gb 2.5] [--store file|s3] [--parallel 4]` starts the API on a database of its own
-with the store a folder (`file`) or a moto S3 server on this machine (`s3`), makes a succeeded job whose export is
-a `model.safetensors` of `--gb` GB of random bytes plus a small config (written straight into the store and the
-job's row, as a worker's export would leave them), then times, each from start to exit:
+`python -m bench.download [--gb 2.5] [--store file|s3] [--parallel 4] [--connections 4] [--chunk-size 64M]`
+starts the API on a database of its own with the store a folder (`file`) or a moto S3 server on this machine
+(`s3`), makes a succeeded job whose export is a `model.safetensors` of `--gb` GB of random bytes plus a small config
+(written straight into the store and the job's row, as a worker's export would leave them), then times, each from
+start to exit:
 
-- `ft_download_mb_s`: `ft download JOB DIR` (the CLI: through the API, every file hashed and checked against
+- `ft_download_mb_s`: `ft download JOB DIR` (the CLI: through the API, the large file in `--chunk-size` ranged
+  chunks, `--connections` at once; a chunk size above the file: one stream; every file hashed and checked against
   its SHA-256, written to `.part` and renamed), the export's bytes (10^6 per MB) over the wall time;
 - `local_read_mb_s`: reading the stored file from the local disk (`cat FILE > /dev/null`), the same bytes;
 - `local_copy_mb_s`: `cp` of the stored file to another folder of the same disk.
@@ -56,6 +58,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.5)
     parser.add_argument("--store", choices=["file", "s3"], default="file")
     parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--connections", type=int, default=4)
+    parser.add_argument("--chunk-size", default="64M")
     args = parser.parse_args()
     with contextlib.ExitStack() as cleanup:
         own = store_stack(cleanup, prefix="ft-download-", store=args.store, env={"FT_ALLOW_HUB_MODELS": "true"})
@@ -92,8 +96,9 @@ def main() -> None:
         cold = drop_caches()
         dest = base / "downloaded"
         cli_env = {**os.environ, "FT_API_URL": stack.api_url, "FT_API_KEY": key}
-        download_s = timed([sys.executable, "-m", "ftcli.main", "download", job["id"], str(dest), "--parallel",
-                            str(args.parallel), "--json"], cli_env)
+        download_s = timed([sys.executable, "-m", "ftcli.main", "download", job["id"], str(dest), "--json",
+                            "--parallel", str(args.parallel), "--connections", str(args.connections),
+                            "--chunk-size", args.chunk_size], cli_env)
         digest = hashlib.sha256((dest / "model.safetensors").read_bytes()).hexdigest()
         assert digest == files[0]["sha256"]
         drop_caches()
@@ -102,6 +107,7 @@ def main() -> None:
         copy_s = timed(["cp", str(stored_file), str(base / "copied")])
         print(json.dumps({
             "figure": "ft download", "store": args.store, "bytes": total, "parallel": args.parallel,
+            "connections": args.connections, "chunk_size": args.chunk_size, "load_average_1m": os.getloadavg()[0],
             "page_cache_dropped": cold, "ft_download_mb_s": round(total / download_s / 1e6, 1),
             "local_read_mb_s": round(total / read_s / 1e6, 1), "local_copy_mb_s": round(total / copy_s / 1e6, 1)}),
             flush=True)
