@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api import errors, heap
+from api import errors, heap, v1
 from api.access import Scope
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
@@ -69,7 +69,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                               f"Request bodies are limited to {MAX_BODY_BYTES} bytes (1 MiB), "
                               "except an upload's (`POST /files`: FT_MAX_FILE_BYTES).")
     routers = (health.router, jobs.router, outputs.router, checkpoints.router, files.router, keys.router,
-               owners.router, audit.router, nodes.router, webhooks.router)
+               owners.router, audit.router, nodes.router, webhooks.router, *v1.routers)
     # The routers' own routes (full paths, each with its declared scope), not the app's list, which holds
     # FastAPI's wrappers of included routers.
     routes = [r for router in routers for r in router.routes]

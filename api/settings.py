@@ -45,6 +45,15 @@ class ApiSettings(StoreSettings):
     # core.settings.StoreSettings, where both would share one declaration.
     # Connections each API process keeps for its asynchronous reads and writes (db/pool.py).
     api_db_pool_size: int = 10
+    # The OpenAI-compatible face (/v1, docs/openai.md). The base models GET /v1/models lists, comma-separated, each
+    # as `model` of POST /jobs names it (a path under the model root or a hub id); any other such name is accepted
+    # as a job's model too.
+    base_models: str = ""
+    # A partial job spec (JSON, the shape of POST /jobs) under every /v1 job: what the OpenAI body cannot say
+    # (seq_len, GPUs, precision, checkpointing, ...). Empty: the service's own defaults.
+    openai_job_defaults: str = ""
+    # How long POST /v1/fine_tuning/jobs waits for a named file still being validated before refusing it.
+    openai_file_wait_seconds: float = 10.0
 
     @field_validator("quota_max_active_jobs", "quota_max_gpus", "quota_max_stored_bytes", mode="before")
     @classmethod
@@ -57,6 +66,27 @@ class ApiSettings(StoreSettings):
         if value is not None and value < 0:
             raise ValueError("must be 0 or more (empty: no limit)")
         return value
+
+    @field_validator("openai_job_defaults")
+    @classmethod
+    def _job_defaults(cls, value: str) -> str:
+        from api.v1.hyperparameters import defaults_problem
+
+        problem = defaults_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("openai_file_wait_seconds")
+    @classmethod
+    def _wait_bounded(cls, value: float) -> float:
+        if not 0 <= value <= 60:
+            raise ValueError("must be from 0 to 60 seconds")
+        return value
+
+    @property
+    def base_model_names(self) -> list[str]:
+        return [name.strip() for name in self.base_models.split(",") if name.strip()]
 
     @field_validator("max_file_bytes")
     @classmethod

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # mfu, mfu_6n, mfu_attended: what each counts is in trainer/flops.py.
 PROGRESS_FIELDS = ("step", "total_steps", "epoch", "loss", "lr", "grad_norm", "tokens_per_second", "eta_seconds",
-                   "mfu", "mfu_6n", "mfu_attended", "peak_memory_bytes")
+                   "mfu", "mfu_6n", "mfu_attended", "peak_memory_bytes", "tokens_seen")
 
 
 def _now() -> datetime:

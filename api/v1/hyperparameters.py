@@ -1,0 +1,194 @@
+"""The body of `POST /v1/fine_tuning/jobs` as OpenAI defines it (openai/types/fine_tuning/job_create_params.py),
+strict like every body of the service, and its mapping onto the native job spec (contract/spec.py): the
+deployment's defaults (FT_OPENAI_JOB_DEFAULTS) first, then what the body says. The mapping is in docs/openai.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+
+from api.errors import ApiError, ErrorCode, invalid
+from contract.problems import FieldError
+from contract.spec import MAX_SEED, Hyperparameters, JobSpec
+
+AUTO = "auto"
+# OpenAI's own bounds: a value past them is refused there too.
+MAX_EPOCHS = 50
+MAX_BATCH_SIZE = 256
+MAX_LR_MULTIPLIER = 10.0
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+# The suffix is one part of a `:`-separated model name and of a URL path: no `:`, `/` or spaces.
+SUFFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class MethodType(str, enum.Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    SUPERVISED = "supervised"
+    DPO = "dpo"
+    REINFORCEMENT = "reinforcement"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class OpenAIHyperparameters(_Strict):
+    n_epochs: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=MAX_EPOCHS)] = AUTO
+    batch_size: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=MAX_BATCH_SIZE)] = AUTO
+    learning_rate_multiplier: Literal["auto"] | Annotated[
+        StrictFloat | StrictInt, Field(gt=0, le=MAX_LR_MULTIPLIER)] = AUTO
+
+
+class Supervised(_Strict):
+    hyperparameters: OpenAIHyperparameters | None = None
+
+
+class Method(_Strict):
+    type: MethodType
+    supervised: Supervised | None = None
+    # Named so their refusal names `method.type`, not an unknown field.
+    dpo: dict[str, Any] | None = None
+    reinforcement: dict[str, Any] | None = None
+
+
+class FineTuningJobCreate(_Strict):
+    model: str = Field(min_length=1, max_length=4096)
+    training_file: str = Field(min_length=1, max_length=4096)
+    validation_file: str | None = Field(default=None, min_length=1, max_length=4096)
+    suffix: str | None = Field(default=None, pattern=SUFFIX_PATTERN, description=(
+        "Up to 64 letters, digits, '.', '_' or '-', starting with a letter or digit: part of the model's name"))
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = None
+    hyperparameters: OpenAIHyperparameters | None = None
+    method: Method | None = None
+    integrations: list[dict[str, Any]] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _pairs(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > MAX_METADATA_PAIRS:
+                raise ValueError(f"has {len(value)} pairs; at most {MAX_METADATA_PAIRS} are accepted")
+            if any(len(k) > MAX_METADATA_KEY for k in value):
+                raise ValueError(f"has a key longer than {MAX_METADATA_KEY} characters")
+        return value
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    """A refusal naming the OpenAI parameter at fault: the native 422 shape, which /v1 answers as OpenAI's 400."""
+    return invalid([FieldError(param, message)])
+
+
+def chosen_hyperparameters(body: FineTuningJobCreate) -> tuple[OpenAIHyperparameters, str]:
+    """The hyperparameters the body gives, and where it gives them (the param to name for their problems)."""
+    method = body.method
+    if body.integrations:
+        raise bad_request("integrations", "integrations are not supported by this service; leave them out "
+                                          "(metrics are in the job's events)")
+    if method is not None and method.type != MethodType.SUPERVISED:
+        raise bad_request("method.type", f"{method.type.value!r} fine-tuning is not supported by this service; "
+                                         f"only {MethodType.SUPERVISED.value!r} is")
+    under_method = method.supervised.hyperparameters if method and method.supervised else None
+    if under_method is not None and body.hyperparameters is not None:
+        raise bad_request("hyperparameters", "give the hyperparameters either at the top level or under "
+                                             "method.supervised, not both")
+    if under_method is not None:
+        return under_method, "method.supervised.hyperparameters"
+    return body.hyperparameters or OpenAIHyperparameters(), "hyperparameters"
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def parse_defaults(text: str) -> dict[str, Any]:
+    return json.loads(text) if text.strip() else {}
+
+
+# The fields a /v1 job takes from its body; the defaults may not set them.
+FROM_THE_BODY = ("model", "name", "metadata", "data.train", "data.validation", "data.format")
+
+
+def defaults_problem(text: str) -> str | None:
+    """Why FT_OPENAI_JOB_DEFAULTS cannot be the base of a job, or None."""
+    try:
+        found = parse_defaults(text)
+    except ValueError as exc:
+        return f"is not JSON: {exc}"
+    if not isinstance(found, dict):
+        return "must be a JSON object: a partial job spec, as POST /jobs takes it"
+    data = found.get("data")
+    data_keys = {f"data.{k}" for k in data} if isinstance(data, dict) else set()
+    if any(k in found or k in data_keys for k in FROM_THE_BODY):
+        return f"may not set {', '.join(FROM_THE_BODY)}: each /v1 job takes them from its body"
+    try:
+        JobSpec.model_validate(_merge(found, {"model": "m", "data": {"train": "t"}}))
+    except ValidationError as exc:
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return None
+
+
+def default_learning_rate(defaults: dict[str, Any]) -> float:
+    """The rate a learning_rate_multiplier of 1 means: the deployment's default, or the service's."""
+    rate = defaults.get("hyperparameters", {}).get("learning_rate")
+    return float(rate) if rate is not None else float(Hyperparameters.model_fields["learning_rate"].default)
+
+
+def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, Any]) -> tuple[JobSpec, str]:
+    """The native spec of an OpenAI body, over the deployment's defaults; `model` is the native model name (a
+    fine-tuned model's name already turned into its job's id). Returns it with the hyperparameters' param.
+    Unset values (`"auto"`, no seed) are left to the defaults: `auto` epochs, batch size and learning rate are the
+    deployment's or the service's, and a missing seed is the service's fixed default, so that a retry is the
+    same request (Idempotency-Key) and a job can be run again alike."""
+    chosen, param = chosen_hyperparameters(body)
+    hp: dict[str, Any] = {}
+    if chosen.n_epochs != AUTO:
+        hp["epochs"] = float(chosen.n_epochs)
+    if chosen.batch_size != AUTO:
+        hp["global_batch_size"] = chosen.batch_size
+    if chosen.learning_rate_multiplier != AUTO:
+        hp["learning_rate"] = float(chosen.learning_rate_multiplier) * default_learning_rate(defaults)
+    if body.seed is not None:
+        hp["seed"] = body.seed
+    # The format is left out: a file's own (chat, for a chat file) is taken (api/services/inputs.py).
+    data: dict[str, Any] = {"train": body.training_file, "validation": body.validation_file}
+    request = _merge(defaults, {"name": body.suffix or "", "model": model, "data": data, "hyperparameters": hp,
+                                "metadata": body.metadata or {}})
+    try:
+        return JobSpec.model_validate(request), param
+    except ValidationError as exc:
+        raise invalid([FieldError(openai_param(".".join(str(p) for p in e["loc"]), param),
+                                  str(e["msg"]).removeprefix("Value error, ")) for e in exc.errors()]) from None
+
+
+# Native fields (as a native 422 names them) and the OpenAI params they come from.
+PARAMS = {"model.name_or_path": "model", "model": "model", "data.train": "training_file",
+          "data.validation": "validation_file", "data.format": "training_file", "name": "suffix",
+          "metadata": "metadata", "hyperparameters.seed": "seed"}
+HYPERPARAMETERS = {"hyperparameters.epochs": "n_epochs", "hyperparameters.global_batch_size": "batch_size",
+                   "hyperparameters.learning_rate": "learning_rate_multiplier"}
+
+
+def openai_param(field: str, hyperparameters_param: str = "hyperparameters") -> str:
+    if field in HYPERPARAMETERS:
+        return f"{hyperparameters_param}.{HYPERPARAMETERS[field]}"
+    return PARAMS.get(field, field)
+
+
+def renamed(exc: ApiError, hyperparameters_param: str) -> ApiError:
+    """A native refusal of the mapped spec, its fields named as the OpenAI body names them."""
+    if exc.status != 422 or exc.code != ErrorCode.INVALID_REQUEST:
+        return exc
+    problems = exc.details or [{"field": exc.field or "body", "message": exc.message}]
+    return invalid([FieldError(openai_param(p["field"], hyperparameters_param), p["message"]) for p in problems])
