@@ -6,6 +6,7 @@ the worker runs the real DeepSpeed launcher with two CPU processes on a tiny mod
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,15 @@ def s3(roots: dict[str, Path]) -> Iterator[S3Server]:
     server.stop()
 
 
+# What a /v1 job takes from the deployment: job_spec()'s small job, without its step count (epochs decide).
+OPENAI_JOB_DEFAULTS = {
+    "hyperparameters": {"learning_rate": 0.003, "warmup_steps": 1, "seq_len": 64},
+    "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+    "resources": {"num_gpus": 2, "time_limit_seconds": 600},
+    "checkpointing": {"every_steps": 2, "keep_last": 2},
+}
+
+
 @pytest.fixture(scope="session")
 def stack_env(database: str, redis_url: str, roots: dict[str, Path], s3: S3Server) -> dict[str, str]:
     return {
@@ -101,6 +111,10 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path], s3: S3Serve
         # the stack's jobs on two cores: jobs in SCHED_IDLE would wait out each of those runs. The priorities
         # themselves are tested in tests/test_priority.py and tests/test_chaos.py.
         "FT_TRAINER_PRIORITY": "normal",
+        # The OpenAI-compatible face (tests/test_openai_jobs.py): the tiny model is the deployment's base model, and
+        # what an OpenAI body cannot say is a small job on this machine's CPUs.
+        "FT_BASE_MODELS": "tiny-llama",
+        "FT_OPENAI_JOB_DEFAULTS": json.dumps(OPENAI_JOB_DEFAULTS),
     }
 
 
