@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 from api.errors import ApiError, ErrorCode, invalid
 from contract.problems import FieldError
@@ -40,11 +49,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+def _auto_or(low: float, high: float, *, integer: bool) -> Any:
+    """`"auto"` or a number within OpenAI's bounds, refused with one message (a union's would give two)."""
+    kind = "an integer" if integer else "a number"
+
+    def check(value: Any) -> Any:
+        if value == AUTO:
+            return value
+        number = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not number or not (low < value <= high if not integer else low <= value <= high):
+            bound = f"from {low} to {high}" if integer else f"more than {low} and at most {high}"
+            raise ValueError(f'must be "auto" or {kind} {bound}, got {json.dumps(value)[:40]}')
+        return value
+
+    schema = {"anyOf": [{"const": AUTO}, {"type": "integer" if integer else "number", "maximum": high,
+                                          **({"minimum": low} if integer else {"exclusiveMinimum": low})}]}
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
+
+
 class OpenAIHyperparameters(_Strict):
-    n_epochs: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=MAX_EPOCHS)] = AUTO
-    batch_size: Literal["auto"] | Annotated[StrictInt, Field(ge=1, le=MAX_BATCH_SIZE)] = AUTO
-    learning_rate_multiplier: Literal["auto"] | Annotated[
-        StrictFloat | StrictInt, Field(gt=0, le=MAX_LR_MULTIPLIER)] = AUTO
+    n_epochs: _auto_or(1, MAX_EPOCHS, integer=True) = AUTO  # type: ignore[valid-type]
+    batch_size: _auto_or(1, MAX_BATCH_SIZE, integer=True) = AUTO  # type: ignore[valid-type]
+    learning_rate_multiplier: _auto_or(0, MAX_LR_MULTIPLIER, integer=False) = AUTO  # type: ignore[valid-type]
 
 
 class Supervised(_Strict):
