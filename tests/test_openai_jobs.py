@@ -202,7 +202,6 @@ def param_of(exc: openai.APIStatusError) -> Any:
     ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
     ({"method": {"type": "reinforcement"}}, "method.type"),
     ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
-    ({"model": "gpt-4o-mini"}, "model"),
     ({"model": f"ft:{BASE}:someone:x:job_{'0' * 20}"}, "model"),
     ({"suffix": "has:colon"}, "suffix"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
