@@ -11,8 +11,12 @@ The formats are the trainer's (contract/spec.py DataSpec.format):
 - text: documents separated by blank lines, each stripped of surrounding whitespace;
 - jsonl: one JSON object per line with a string field (`text` unless the job names another);
 - chat: one JSON object per line with `messages`, a non-empty list of {role, content}, content a string, role one
-  of CHAT_ROLES, an assistant's content not empty.
-Blank lines are skipped in jsonl and chat.
+  of CHAT_ROLES, an assistant's content not empty; as OpenAI's chat format has it, a message may carry a string
+  `name` and an assistant message a `weight` of 0 or 1 (0: the trainer learns nothing from it). Tool definitions
+  and tool calls (`tools`, `functions`, `tool_calls`, `function_call`) are refused: the trainer renders neither.
+- completion: one JSON object per line with string `prompt` and `completion`, the completion not empty (OpenAI's
+  format for completion models): the trainer learns the completion given the prompt.
+Blank lines are skipped in jsonl, chat and completion.
 
 Standard library only.
 """
@@ -32,7 +36,12 @@ MAX_PROBLEMS = 20
 MAX_LINE_BYTES = 64 << 20
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ASSISTANT = "assistant"
-Document = Any  # a str for text and jsonl, a list of {role, content} for chat
+# What OpenAI's chat format may hold and the trainer cannot render: refused by name rather than dropped unseen.
+TOOL_KEYS = ("tools", "functions")
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
+WEIGHTS = (0, 1)
+# A str for text and jsonl, a list of {role, content, ...} for chat, {prompt, completion} for completion.
+Document = Any
 
 
 class LineProblem(ValueError):
@@ -53,7 +62,8 @@ class Scan:
     format: str | None  # as given, or as detected from the first line that is not blank
     lines: int = 0
     examples: int = 0
-    characters: int = 0  # of the documents' text (text: the stripped document; jsonl: the field; chat: contents)
+    # Of the documents' text (text: the stripped document; jsonl: the field; chat: contents; completion: both).
+    characters: int = 0
     roles: dict[str, int] = field(default_factory=dict)  # chat: messages per role
     problems: list[Problem] = field(default_factory=list)
 
@@ -122,25 +132,59 @@ def chat_messages(obj: Any) -> list[dict[str, Any]]:
     msgs = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(msgs, list) or not msgs:
         raise LineProblem("missing field 'messages' (a non-empty list)")
+    for key in TOOL_KEYS:
+        if key in obj:
+            raise LineProblem(f"field {key!r}: tool definitions are not supported; train on messages without them")
     for i, m in enumerate(msgs):
+        if isinstance(m, dict):
+            for key in TOOL_CALL_KEYS:
+                if key in m:
+                    raise LineProblem(f"messages[{i}].{key}: tool calls are not supported; send the answer as "
+                                      "'content'")
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise LineProblem(f"each message needs string 'role' and 'content' (messages[{i}] has not)")
         if m["role"] not in CHAT_ROLES:
             raise LineProblem(f"messages[{i}].role {m['role'][:40]!r} is not one of {', '.join(CHAT_ROLES)}")
         if m["role"] == ASSISTANT and not m["content"].strip():
             raise LineProblem(f"messages[{i}] is an assistant message with empty content")
+        if "name" in m and not isinstance(m["name"], str):
+            raise LineProblem(f"messages[{i}].name is not a string")
+        if "weight" in m:
+            if m["role"] != ASSISTANT:
+                raise LineProblem(f"messages[{i}].weight: only an assistant message has a weight")
+            if isinstance(m["weight"], bool) or m["weight"] not in WEIGHTS:
+                raise LineProblem(f"messages[{i}].weight is {str(m['weight'])[:40]}; it is 0 or 1")
     return msgs
 
 
+def learns(message: dict[str, Any]) -> bool:
+    """Whether the trainer learns a message's tokens: an assistant's, unless its weight is 0."""
+    return bool(message["role"] == ASSISTANT and message.get("weight", 1))
+
+
+def completion_pair(obj: Any) -> dict[str, str]:
+    """The prompt and completion of a completion line."""
+    if not isinstance(obj, dict) or "prompt" not in obj or "completion" not in obj:
+        raise LineProblem("missing field 'prompt' or 'completion' (each a string)")
+    for key in ("prompt", "completion"):
+        if not isinstance(obj[key], str):
+            raise LineProblem(f"field {key!r} is not a string")
+    if not obj["completion"].strip():
+        raise LineProblem("field 'completion' is empty: there is nothing to learn")
+    return {"prompt": obj["prompt"], "completion": obj["completion"]}
+
+
 def detect(line: str) -> str:
-    """The format of a file from its first line that is not blank: JSON with `messages` is chat, JSON with `text`
-    jsonl, anything else text."""
+    """The format of a file from its first line that is not blank: JSON with `messages` is chat, JSON with `prompt`
+    and `completion` completion, JSON with `text` jsonl, anything else text."""
     try:
         obj = json.loads(line)
     except (json.JSONDecodeError, RecursionError):
         return FileFormat.TEXT.value
     if isinstance(obj, dict) and "messages" in obj:
         return FileFormat.CHAT.value
+    if isinstance(obj, dict) and "prompt" in obj and "completion" in obj:
+        return FileFormat.COMPLETION.value
     if isinstance(obj, dict) and "text" in obj:
         return FileFormat.JSONL.value
     return FileFormat.TEXT.value
@@ -229,6 +273,9 @@ def scan(chunks: Iterable[bytes], fmt: str | None, *, text_field: str = "text",
                 text = jsonl_text(obj, text_field)
                 result.characters += len(text)
                 document: Document = text
+            elif result.format == FileFormat.COMPLETION.value:
+                document = completion_pair(obj)
+                result.characters += len(document["prompt"]) + len(document["completion"])
             else:
                 msgs = chat_messages(obj)
                 for m in msgs:

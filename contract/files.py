@@ -25,7 +25,7 @@ class FilePurpose(str, enum.Enum):
 
 
 class FileFormat(str, enum.Enum):
-    """What the trainer reads (contract/spec.py DataSpec.format): the same three, spelled the same way."""
+    """What the trainer reads (contract/spec.py DataSpec.format): the same four, spelled the same way."""
 
     def __str__(self) -> str:
         return str(self.value)
@@ -33,6 +33,7 @@ class FileFormat(str, enum.Enum):
     TEXT = "text"
     JSONL = "jsonl"
     CHAT = "chat"
+    COMPLETION = "completion"  # {"prompt", "completion"} pairs, OpenAI's format for completion models
 
 
 # The id `POST /files` gives a file: "file_" and 24 hex digits.

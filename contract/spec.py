@@ -286,7 +286,7 @@ class DataSpec(_Strict):
                                     description="Validation data: a processed file id of the caller's, or a path "
                                                 "under the data root")
     validation_fraction: StrictFloat = Field(default=0.0, ge=0.0, lt=0.5)
-    format: Literal["text", "jsonl", "chat"] = Field(
+    format: Literal["text", "jsonl", "chat", "completion"] = Field(
         default="text", description="For a file id, the file's own format when unset (and it must agree when set)")
     text_field: Text = Field(default="text", min_length=1, max_length=200, description="JSONL field holding the text")
     packing: StrictBool = True

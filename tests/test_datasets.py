@@ -33,6 +33,23 @@ CASES: list[tuple[str, str, bytes]] = [
                                                       {"role": "assistant", "content": ""}]}).encode()),
     ("chat", "tool role", json.dumps({"messages": [{"role": "tool", "content": "42"},
                                                    {"role": "assistant", "content": "ok"}]}).encode()),
+    # OpenAI's chat format: a `name` on any message, a `weight` of 0 or 1 on an assistant's.
+    ("chat", "openai names and weights", json.dumps({"messages": [
+        {"role": "system", "content": "Be terse.", "name": "rules"}, {"role": "user", "content": "q", "name": "ann"},
+        {"role": "assistant", "content": "skip me", "weight": 0}, {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "learn me", "weight": 1}]}).encode()),
+    ("chat", "weight 2", json.dumps({"messages": [{"role": "assistant", "content": "a", "weight": 2}]}).encode()),
+    ("chat", "weight true", json.dumps({"messages": [{"role": "assistant", "content": "a", "weight": True}]}).encode()),
+    ("chat", "weight on a user", json.dumps({"messages": [{"role": "user", "content": "a", "weight": 1}]}).encode()),
+    ("chat", "name not a string", json.dumps({"messages": [{"role": "user", "content": "a", "name": 3}]}).encode()),
+    ("chat", "tool calls", json.dumps({"messages": [{"role": "user", "content": "weather?"}, {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                             "function": {"name": "w", "arguments": "{}"}}]}]}).encode()),
+    ("chat", "tools", json.dumps({"tools": [], "messages": [{"role": "assistant", "content": "a"}]}).encode()),
+    ("completion", "good", b'{"prompt": "2+2=", "completion": " 4"}\n\n{"prompt": "", "completion": "x", "id": 1}\n'),
+    ("completion", "empty completion", b'{"prompt": "2+2=", "completion": " "}\n'),
+    ("completion", "missing completion", b'{"prompt": "2+2="}\n'),
+    ("completion", "not a string", b'{"prompt": 2, "completion": "4"}\n'),
 ]
 
 
@@ -61,3 +78,29 @@ def test_text_documents_are_those_the_trainer_read_before_the_refactor(tmp_path:
     path = tmp_path / "t.txt"
     path.write_text(text)
     assert read_documents(path, DataSpec(train=str(path), format="text")) == expected
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ({"messages": [{"role": "assistant", "content": "a", "weight": 2}]}, "messages[0].weight is 2; it is 0 or 1"),
+    ({"messages": [{"role": "user", "content": "a", "weight": 0}]}, "only an assistant message has a weight"),
+    ({"messages": [{"role": "user", "content": "a", "name": None}]}, "messages[0].name is not a string"),
+    ({"messages": [{"role": "assistant", "content": None, "function_call": {}}]}, "messages[0].function_call: tool"),
+    ({"functions": [], "messages": [{"role": "user", "content": "a"}]}, "field 'functions': tool definitions"),
+])
+def test_what_openais_chat_format_allows_and_the_trainer_cannot_is_refused_by_name(line: dict[str, object],
+                                                                                    message: str) -> None:
+    found = datasets.scan([json.dumps(line).encode()], None)
+    assert found.format == "chat" and [p.line for p in found.problems] == [1], found
+    assert message in found.problems[0].message
+
+
+@pytest.mark.parametrize(("first", "fmt"), [
+    ({"prompt": "a", "completion": "b"}, "completion"), ({"messages": [], "prompt": "a", "completion": "b"}, "chat"),
+    ({"prompt": "a", "text": "b"}, "jsonl"), ({"completion": "b"}, "text")])
+def test_openais_prompt_completion_lines_are_detected(first: dict[str, object], fmt: str) -> None:
+    assert datasets.scan([json.dumps(first).encode()], None).format == fmt
+
+
+def test_completion_stats_count_both_sides() -> None:
+    found = datasets.scan([b'{"prompt": "abc", "completion": "de"}\n{"prompt": "", "completion": "f"}\n'], None)
+    assert not found.problems and found.stats() == {"lines": 2, "examples": 2, "characters": 6}

@@ -160,6 +160,39 @@ def test_chat_labels_only_assistant_turns(tiny_model: Path, with_template: bool)
     assert "two plus two" in tok.decode(ids) and "two plus two" not in learned
 
 
+@pytest.mark.parametrize("with_template", [False, True])
+def test_an_assistant_turn_of_weight_0_is_not_learned(tiny_model: Path, with_template: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import IGNORE, encode_chat
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    if with_template:
+        tok.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "Two plus two?", "name": "ann"},
+                {"role": "assistant", "content": "Five.", "weight": 0}, {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": "Four.", "weight": 1}]
+    ids, labels = encode_chat(tok, messages)
+    learned = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+    assert "Four." in learned and "Five." not in learned and "Five." in tok.decode(ids)
+    # Weight 0 on the last answer: not even the end of the conversation is learned.
+    ids, labels = encode_chat(tok, messages[:2])
+    assert set(labels) == {IGNORE}
+
+
+def test_a_completion_is_learned_given_its_prompt(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.data import IGNORE, encode_completion
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids, labels = encode_completion(tok, {"prompt": "Two plus two is", "completion": " four."})
+    learned = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE]
+    assert tok.decode(ids).startswith("Two plus two is four.") and ids[-1] == tok.eos_token_id
+    assert tok.decode(learned) == " four.<|endoftext|>"
+    assert labels[: len(ids) - len(learned)] == [IGNORE] * (len(ids) - len(learned))
+
+
 def test_data_errors_name_file_and_line(tmp_path: Path, tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 

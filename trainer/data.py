@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from contract import datasets
+from contract.files import FileFormat
 from contract.spec import DataSpec, RunPaths
 from trainer.errors import DataError
 
@@ -86,7 +87,7 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, doc: str) -> tuple[list[int]
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase,
                 messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """Tokens of a conversation, with labels only on assistant turns.
+    """Tokens of a conversation, with labels only on assistant turns (not on one whose `weight` is 0).
 
     With a chat template, turn i is the difference between the rendering of messages[:i+1] and of
     messages[:i] (templates render prefixes stably). Without one the fallback renders each turn as
@@ -104,17 +105,25 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase,
                                 "cannot mask non-assistant turns")
             piece = cur[len(prev):]
             ids += piece
-            labels += piece if msg["role"] == "assistant" else [IGNORE] * len(piece)
+            labels += piece if datasets.learns(msg) else [IGNORE] * len(piece)
             prev = cur
     else:
         for msg in messages:
             piece = _ids(tokenizer, f"<|{msg['role']}|>\n{msg['content']}\n")
             ids += piece
-            labels += piece if msg["role"] == "assistant" else [IGNORE] * len(piece)
+            labels += piece if datasets.learns(msg) else [IGNORE] * len(piece)
     ids.append(tokenizer.eos_token_id)
     # Learning to stop matters only after an assistant's answer.
-    labels.append(tokenizer.eos_token_id if messages[-1]["role"] == "assistant" else IGNORE)
+    labels.append(tokenizer.eos_token_id if datasets.learns(messages[-1]) else IGNORE)
     return ids, labels
+
+
+def encode_completion(tokenizer: PreTrainedTokenizerBase, pair: dict[str, str]) -> tuple[list[int], list[int]]:
+    """The prompt's tokens then the completion's and eos, with labels only on the completion and eos. Each side
+    is tokenized alone so the boundary between what is given and what is learned is exact."""
+    prompt = _ids(tokenizer, pair["prompt"])
+    completion = _ids(tokenizer, pair["completion"]) + [tokenizer.eos_token_id]
+    return prompt + completion, [IGNORE] * len(prompt) + completion
 
 
 def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, packing: bool) -> Blocks:
@@ -182,8 +191,10 @@ def pack(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
 
 def encode(tokenizer: PreTrainedTokenizerBase, docs: list[Document],
            fmt: str) -> list[tuple[list[int], list[int]]]:
-    if fmt == "chat":
+    if fmt == FileFormat.CHAT.value:
         return [encode_chat(tokenizer, d) for d in docs]
+    if fmt == FileFormat.COMPLETION.value:
+        return [encode_completion(tokenizer, d) for d in docs]
     return [encode_text(tokenizer, d) for d in docs]
 
 
