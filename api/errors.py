@@ -2,12 +2,16 @@
 
 The codes are one enum, documented in the OpenAPI schema with the shape itself, so clients can branch
 on `code` and the fuzzer can hold every error response to the schema.
+
+Another face of the service (api/v1, OpenAI's API) answers in its own envelope: every error is made here, as an
+ApiError, and `respond` renders it with the face registered for the request's path prefix (`add_face`), so a
+route, a guard or a handler never needs to know which face it serves.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -116,9 +120,32 @@ def body(code: ErrorCode, message: str, field: str | None = None, details: Any =
     return dict(error=err)
 
 
+Render = Callable[[ApiError], JSONResponse]
+# Path prefix ("/v1") -> the renderer of that face's errors.
+_FACES: dict[str, Render] = {}
+
+
+def add_face(prefix: str, render: Render) -> None:
+    """Errors answered under `prefix` (the path itself, or below it) are rendered by `render`."""
+    _FACES[prefix.rstrip("/")] = render
+
+
+def native(err: ApiError) -> JSONResponse:
+    return JSONResponse(body(err.code, err.message, err.field, err.details), status_code=err.status,
+                        headers=err.headers)
+
+
+def respond(path: str, err: ApiError) -> JSONResponse:
+    """The error, in the shape of the face that serves `path`."""
+    for prefix, render in _FACES.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return render(err)
+    return native(err)
+
+
 def error_response(status: int, code: ErrorCode, message: str, field: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(body(code, message, field), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, *, path: str = "") -> JSONResponse:
+    return respond(path, ApiError(status, code, message, field, headers=headers))
 
 
 # Where pydantic puts a parameter; users know the parameter's name only.
@@ -204,9 +231,9 @@ def from_db(exc: db.DbError) -> ApiError:
     return ApiError(503, ErrorCode.UNAVAILABLE, exc.message, None, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def unavailable(what: str) -> JSONResponse:
+def unavailable(what: str, path: str = "") -> JSONResponse:
     return error_response(503, ErrorCode.UNAVAILABLE, f"{what} is unreachable; retry in {RETRY_AFTER_SECONDS} s",
-                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)}, path=path)
 
 
 def store_unavailable(exc: BaseException) -> ApiError:
@@ -228,19 +255,16 @@ def allowed_methods(routes: Sequence[BaseRoute], scope: Scope) -> str:
 def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
     """The handlers; `routes` are the routers' own (full paths), which a 405's Allow is computed from."""
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(body(exc.code, exc.message, exc.field, exc.details), status_code=exc.status,
-                            headers=exc.headers)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return respond(request.scope["path"], exc)
 
     @app.exception_handler(SpecError)
-    async def _spec_error(_: Request, exc: SpecError) -> JSONResponse:
-        err = invalid(exc.errors)
-        return JSONResponse(body(err.code, err.message, err.field, err.details), status_code=422)
+    async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
+        return respond(request.scope["path"], invalid(exc.errors))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = invalid(_pydantic_errors(exc))
-        return JSONResponse(body(err.code, err.message, err.field, err.details), status_code=422)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request.scope["path"], invalid(_pydantic_errors(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -251,11 +275,13 @@ def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
             # RFC 9110: a 405 lists the methods the path serves.
             headers["Allow"] = allowed_methods(routes, request.scope)
             message = f"{request.method} is not allowed on this path; allowed: {headers['Allow']}"
-        return JSONResponse(body(code, message), status_code=exc.status_code, headers=headers or None)
+        elif exc.status_code == 404 and message == "Not Found":  # the router's own: no route has this path
+            message = f"no route serves {request.method} {request.scope['path'][:200]}"
+        return respond(request.scope["path"], ApiError(exc.status_code, code, message, headers=headers or None))
 
     @app.exception_handler(db.DbError)
-    async def _db_error(_: Request, exc: db.DbError) -> JSONResponse:
-        return await _api_error(_, from_db(exc))
+    async def _db_error(request: Request, exc: db.DbError) -> JSONResponse:
+        return respond(request.scope["path"], from_db(exc))
 
     # What reaches here unwrapped (a connection lost between two statements of a transaction): a 503 too.
     @app.exception_handler(asyncpg.PostgresConnectionError)
@@ -264,16 +290,16 @@ def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
     @app.exception_handler(asyncpg.exceptions.TooManyConnectionsError)
     async def _database(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Postgres unreachable during %s %s: %s", request.method, request.url.path, type(exc).__name__)
-        return unavailable("the database")
+        return unavailable("the database", request.scope["path"])
 
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def _redis(request: Request, exc: redis.RedisError) -> JSONResponse:
         log.warning("Redis unreachable during %s %s: %s", request.method, request.url.path, exc)
-        return unavailable("Redis")
+        return unavailable("Redis", request.scope["path"])
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(body(ErrorCode.INTERNAL_ERROR, "an internal error occurred; see the server log"),
-                            status_code=500)
+        return respond(request.scope["path"], ApiError(500, ErrorCode.INTERNAL_ERROR,
+                                                       "an internal error occurred; see the server log"))

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import access
-from api.errors import ErrorCode, error_response, from_db
+from api.errors import ErrorCode, error_response, from_db, respond
 from db.errors import DbError
 
 log = logging.getLogger(__name__)
@@ -43,19 +43,23 @@ class KeyAuth:
     scope, before anything else runs: the body is neither read nor measured for a caller who may not send it.
 
     The route's scope is the `x-scope` its decorator declares (`api.deps.scoped`); a route that declares
-    none, and a path no route serves, needs `admin`: a new route is closed until it says otherwise. The
+    none, and a path no route serves, needs `admin`: a new route is closed until it says otherwise. Under a prefix
+    of `lenient_prefixes` (OpenAI's face, /v1), a path no route serves needs only a valid key and is answered 404,
+    as OpenAI answers an unknown URL, rather than 403 to every key but an admin's. The
     principal goes into the request's state for the route (`api.deps.CallerDep`). Keys are checked through
     the process's cache (api/access.py): no database round trip for a key seen in the last seconds.
     """
 
-    def __init__(self, app: ASGIApp, routes: list[BaseRoute], allow_anonymous: bool = False) -> None:
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute], allow_anonymous: bool = False,
+                 lenient_prefixes: tuple[str, ...] = ()) -> None:
         self.app = app
         self.routes = routes
         self.allow_anonymous = allow_anonymous
+        self.lenient_prefixes = tuple(p.rstrip("/") for p in lenient_prefixes)
 
     def required_scope(self, scope: Scope) -> str | None:
         """The scope the request's route needs; None for a known path with another method (the router
-        answers 405)."""
+        answers 405) and for an unknown path under a lenient prefix (the router answers 404)."""
         partial = False
         for route in self.routes:
             match, _ = route.matches(scope)
@@ -63,7 +67,10 @@ class KeyAuth:
                 extra = getattr(route, "openapi_extra", None) or {}
                 return str(extra.get("x-scope", access.Scope.ADMIN.value))
             partial = partial or match is Match.PARTIAL
-        return None if partial else access.Scope.ADMIN.value
+        path = scope["path"]
+        if partial or any(path == p or path.startswith(p + "/") for p in self.lenient_prefixes):
+            return None
+        return access.Scope.ADMIN.value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -81,25 +88,25 @@ class KeyAuth:
                     caller = await access.CACHE.lookup(given)
                 except DbError as exc:  # Postgres unreachable: the key cannot be checked
                     err = from_db(exc)
-                    await error_response(err.status, err.code, err.message, err.field, err.headers)(
-                        scope, receive, send)
+                    await respond(scope["path"], err)(scope, receive, send)
                     return
                 except Exception:  # outside the app's handlers: answered here, in the one error shape
                     log.exception("checking an API key failed")
                     await error_response(500, ErrorCode.INTERNAL_ERROR, "an internal error occurred; see the "
-                                         "server log")(scope, receive, send)
+                                         "server log", path=scope["path"])(scope, receive, send)
                     return
             if caller is None:
                 response = error_response(
                     401, ErrorCode.UNAUTHORIZED, "send a valid API key as 'Authorization: Bearer <key>' "
                     "(this one is missing, unknown, revoked or expired)", "authorization",
-                    headers={"WWW-Authenticate": "Bearer"})
+                    headers={"WWW-Authenticate": "Bearer"}, path=scope["path"])
                 await response(scope, receive, send)
                 return
         needed = self.required_scope(scope)
         if needed is not None and not caller.allows(needed):
             await error_response(403, ErrorCode.FORBIDDEN, f"this needs the scope {needed!r}; the key has "
-                                 f"{', '.join(sorted(caller.scopes)) or 'none'}", "scope")(scope, receive, send)
+                                 f"{', '.join(sorted(caller.scopes)) or 'none'}", "scope", path=scope["path"])(
+                scope, receive, send)
             return
         Request(scope).state.caller = caller  # the request's state: scope["state"], made where missing
         await self.app(scope, receive, send)
@@ -119,9 +126,9 @@ class BodyLimit:
         self.streamed = frozenset((method, route.path) for route in routes or () if isinstance(route, StreamedBodyRoute)
                                   for method in route.methods)
 
-    def _too_large(self) -> Response:
+    def _too_large(self, path: str) -> Response:
         return error_response(413, ErrorCode.PAYLOAD_TOO_LARGE,
-                              f"the body is larger than {self.max_bytes} bytes, the limit", "body")
+                              f"the body is larger than {self.max_bytes} bytes, the limit", "body", path=path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (scope["method"], scope["path"]) in self.streamed:
@@ -129,7 +136,7 @@ class BodyLimit:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
+            await self._too_large(scope["path"])(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -140,7 +147,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._too_large()(scope, receive, send)
+                await self._too_large(scope["path"])(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

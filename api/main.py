@@ -74,12 +74,14 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # FastAPI's wrappers of included routers.
     routes = [r for router in routers for r in router.routes]
     errors.install(app, routes=[*routes, *ui.router.routes])
+    errors.add_face(v1.PREFIX, v1.errors.render)  # OpenAI's face answers in OpenAI's error envelope
     for router in routers:
         app.include_router(router)
     app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key
     # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, routes=routes)
-    app.add_middleware(KeyAuth, routes=routes, allow_anonymous=settings.allow_anonymous)
+    app.add_middleware(KeyAuth, routes=routes, allow_anonymous=settings.allow_anonymous,
+                       lenient_prefixes=(v1.PREFIX,))
     # Outermost: every answer is counted and timed, refusals included; it serves /metrics itself, keyless.
     app.add_middleware(Metrics)
     app.openapi = partial(openapi_with_bearer, app)  # type: ignore[method-assign]

@@ -328,8 +328,9 @@ class FileStats(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     lines: int
-    examples: int = Field(description="Documents (text), records (jsonl) or conversations (chat)")
-    characters: int = Field(description="Of the examples' text: the documents, the `text` fields or the contents")
+    examples: int = Field(description="Documents (text), records (jsonl), conversations (chat) or pairs (completion)")
+    characters: int = Field(description="Of the examples' text: the documents, the `text` fields, the contents, or "
+                                        "the prompts and completions")
     messages: dict[str, int] | None = Field(default=None, description="chat: messages per role")
 
 

@@ -137,16 +137,21 @@ async def hold_for_job(conn: asyncpg.Connection, owner: str, named: dict[str, st
             raise Invalid(f"file {file_id} is {status}; only a processed file can be trained on", field)
 
 
-async def page(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:
-    """Newest first, `limit` files after the file `after` (one the caller can see, or Invalid)."""
+async def page(*, owner: str | None, limit: int, after: str | None, oldest_first: bool = False,
+               purpose: str | None = None) -> dict[str, Any]:
+    """Newest first (or oldest first), `limit` files after the file `after` (one the caller can see, or Invalid),
+    of one purpose where given."""
     page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchrow(CURSOR, after) if owner is None else pg.fetchrow(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
             raise Invalid(f"{after!r} is not a file id; pass the last id of the previous page", "after")
-        page.where_(f"(created_at, id) < ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
+        beyond = ">" if oldest_first else "<"
+        page.where_(f"(created_at, id) {beyond} ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
     page.equal("owner", owner)
-    rows = await pg.fetch(page.sql(COLUMNS, "files", "created_at DESC, id DESC", limit), *page.args)
+    page.equal("purpose", purpose)
+    order = "created_at, id" if oldest_first else "created_at DESC, id DESC"
+    rows = await pg.fetch(page.sql(COLUMNS, "files", order, limit), *page.args)
     return {"data": [view(r) for r in rows[:limit]], "has_more": len(rows) > limit}
 
 

@@ -15,6 +15,7 @@ from api.errors import ApiError, ErrorCode, responses
 from api.guards import StreamedBodyRoute, StrictJSONRoute
 from api.ranges import stream
 from api.schemas import OWNER_PATTERN, File, FileList
+from api.services import files as deletion
 from contract.files import FILE_ID_PATTERN, FileFormat, FilePurpose
 from db import files as service
 from store.layout import file_key
@@ -89,6 +90,4 @@ async def file_content(file_id: FileId, caller: CallerDep, store: StoreDep,
 @router.delete("/{file_id}", response_model=File, responses=responses(404, 409), openapi_extra=WRITE)
 async def delete_file(file_id: FileId, caller: CallerDep, store: StoreDep) -> dict[str, Any]:
     """Deletes the file and its bytes; 409 `file_in_use` while a job that has not ended names it as its data."""
-    gone = await service.delete(file_id=file_id, owner=owner_of(caller), actor=caller.actor())
-    await store.delete_async(file_key(file_id))
-    return gone
+    return await deletion.delete(file_id=file_id, caller=caller, store=store)
