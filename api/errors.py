@@ -156,7 +156,8 @@ def _loc(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in _LOCATIONS)]
     # pydantic puts the union member or validator name in the path; users know only field names.
     parts = [p for p in parts if not (p.startswith("function-") or p in ("int", "constrained-int", "literal['auto']",
-                                                                         "str", "list[str]"))]
+                                                                         "str", "list[str]", "float",
+                                                                         "constrained-float"))]
     return ".".join(parts) or "body"
 
 

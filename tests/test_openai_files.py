@@ -17,6 +17,10 @@ import openai
 import pytest
 from openai import OpenAI
 
+from api.errors import ApiError, ErrorCode, from_db
+from api.v1.errors import envelope as openai_envelope
+from api.v1.errors import render
+from db.errors import QuotaExceeded
 from scripts.stack import Stack
 from tests.conftest import create_key
 
@@ -228,6 +232,35 @@ def test_malformed_requests_and_unknown_paths_answer_in_the_envelope(owner: tupl
             r = httpx.get(f"{stack.api_url}{path}", headers={"Authorization": "Bearer sk-not-a-key"})
             envelope(r, 401, "invalid_api_key")
             assert r.headers["www-authenticate"] == "Bearer"
+        # The body limit answers before any route: a 413 (the SDK's APIStatusError) in the envelope too.
+        envelope(c.request("DELETE", "/v1/files/file_" + "0" * 24, content=b"x" * (2 << 20)), 413,
+                 "payload_too_large", "body")
         # The native face keeps its own shape.
         native = c.get("/files", params={"limit": 0})
         assert native.status_code == 422 and native.json()["error"]["field"] == "limit"
+
+
+@pytest.mark.parametrize(("native", "status", "kind", "code", "param"), [
+    (ApiError(422, ErrorCode.INVALID_REQUEST, "n_epochs: must be 1 to 50", "hyperparameters.n_epochs"), 400,
+     "invalid_request_error", "invalid_request", "hyperparameters.n_epochs"),
+    (ApiError(401, ErrorCode.UNAUTHORIZED, "send a valid API key", "authorization"), 401, "invalid_request_error",
+     "invalid_api_key", None),
+    (ApiError(403, ErrorCode.FORBIDDEN, "this needs the scope 'jobs:write'", "scope"), 403, "invalid_request_error",
+     "forbidden", None),
+    (from_db(QuotaExceeded("o", (1, None), (1, 0), 2)), 429, "insufficient_quota", "insufficient_quota",
+     "max_active_jobs"),
+    (ApiError(503, ErrorCode.UNAVAILABLE, "the database is unreachable", headers={"Retry-After": "5"}), 503,
+     "server_error", "unavailable", None),
+    (ApiError(500, ErrorCode.INTERNAL_ERROR, "an internal error occurred"), 500, "server_error", "internal_error",
+     None),
+])
+def test_each_native_error_has_its_openai_status_type_and_code(native: ApiError, status: int, kind: str, code: str,
+                                                               param: str | None) -> None:
+    """What no cheap request provokes (an unreachable database, a job quota): the renderer, as the handlers call it."""
+    got, body = openai_envelope(native)
+    assert (got, body["error"]["type"], body["error"]["code"], body["error"]["param"]) == (status, kind, code, param)
+    response = render(native)
+    assert response.status_code == status and json.loads(bytes(response.body)) == body
+    if status == 503:
+        assert response.headers["retry-after"] == "5"  # the SDK waits as long before its retry
+    assert (response.headers.get("x-should-retry") == "false") is (status == 429)
