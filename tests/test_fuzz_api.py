@@ -14,6 +14,7 @@ refused), and direct tests pin the rules the schema once left unstated.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -66,7 +67,9 @@ def fuzz_api(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc = ApiProcess({"FT_DATABASE_URL": database, "FT_REDIS_URL": redis_url, "FT_QUOTA_MAX_ACTIVE_JOBS": "",
                            "FT_ENV": "production", "FT_WEBHOOK_ALLOW_NETS": "127.0.0.0/8", **make_roots(base),
                            # Uploaded files land in the test's own folder.
-                           "FT_STORE_URL": f"file://{base / 'store'}"},
+                           "FT_STORE_URL": f"file://{base / 'store'}",
+                           # A job made through OpenAI's face is parked too.
+                           "FT_OPENAI_JOB_DEFAULTS": json.dumps({"resources": {"queue": QUEUE}})},
                           base / "api.log")
         try:
             yield proc.start()
@@ -116,8 +119,9 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str]) -> No
 
     operations = [result.ok() for result in schema.get_all_operations()]
     # 7 job operations, 2 of a job's export, 2 of its checkpoints, 5 of files, 3 of keys, 2 of quotas, the audit
-    # log, the nodes, 3 of webhooks, the 2 probes, and OpenAI's face: 5 of /v1/files
-    assert len(operations) == 33, [op.label for op in operations]
+    # log, the nodes, 3 of webhooks, the 2 probes, and OpenAI's face: 5 of /v1/files, 6 of /v1/fine_tuning/jobs,
+    # 2 of /v1/models
+    assert len(operations) == 41, [op.label for op in operations]
     counts: dict[str, int] = {}
     statuses: dict[int, int] = {}
     session = requests.Session()
