@@ -82,6 +82,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def _pause_for_tests() -> None:
     """A fault-injection seam: the chaos tests widen the window between the shards and the commit."""
     pause = os.environ.get(SAVE_PAUSE_ENV)
@@ -124,11 +128,13 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
         for old in tags[: max(0, len(tags) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
             removed.append(str(old))
-        elastic.prune(checkpoint_dir, keep=tag_dir)
     if uploads is None:
         emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed)
     # Nobody may start the next save (or exit) before the commit and pruning are done.
     _barrier()
+    if _local_rank() == 0:
+        # Every node converted its own universal copy for this attempt's resume (trainer/elastic.py).
+        elastic.prune(checkpoint_dir, keep=tag_dir)
     if uploads is not None:
         # Node 0's files were just moved into the tag folder; another host's stay in its own staging folder.
         source = tag_dir if uploads.node_rank == 0 else staged
@@ -139,8 +145,10 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     return tag_dir
 
 
-def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence) -> TrainerState | None:
-    if rank == 0:
+def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence, node_rank: int = 0) -> TrainerState | None:
+    """Collective. `checkpoint_dir` is this node's own folder; `node_rank` only names the node in the events."""
+    if _local_rank() == 0:
+        # Each node's disk keeps its own leftovers; on a disk nodes share, removing one twice is harmless.
         fence.remove_older_staging(checkpoint_dir)
     tags = committed_tags(checkpoint_dir)
     if not tags:
@@ -149,7 +157,7 @@ def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence) -> Traine
     # Another world size than the one that wrote it goes through the tag's universal copy (trainer/elastic.py).
     plan = elastic.plan(tag_dir, dist.get_world_size() if dist.is_initialized() else 1)
     elastic.check_engine(plan, engine)
-    load_dir, tag = elastic.load_source(plan, checkpoint_dir, rank, fence)
+    load_dir, tag = elastic.load_source(plan, checkpoint_dir, fence, node_rank)
     load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the committed checkpoint {tag_dir}")

@@ -1,13 +1,19 @@
-"""Resuming on another world size: the newest committed checkpoint, converted once to DeepSpeed's universal format.
+"""Resuming on another world size: the newest committed checkpoint, converted to DeepSpeed's universal format.
 
 ZeRO partitions optimizer state (stages 1-2) and parameters (stage 3) by data-parallel rank, so a checkpoint
 written by N processes cannot be loaded by M != N of them. Every checkpoint records the world it was written
-with (`topology.json`). When a resume finds another world size, rank 0 converts the committed tag with
-DeepSpeed's `ds_to_universal` into the attempt's staging folder (`checkpoints/.universal-attempt-N/step-K`),
-moves it to `checkpoints/universal/step-K` and commits it like any other checkpoint write (trainer/fence.py),
-so a later attempt on the same new world size reuses it; every rank then loads it with the engine's
-`checkpoint.load_universal`. Step, learning-rate schedule (the scheduler's state in the model-states file)
-and data position (TrainerState) come from the source tag, so the run continues the same curve.
+with (`topology.json`). When a resume finds another world size, the first process of every node converts the
+node's own copy of the committed tag with DeepSpeed's `ds_to_universal` into the attempt's staging folder
+(`checkpoints/.universal-attempt-N/step-K`), moves it to `checkpoints/universal/step-K` and commits it like any
+other checkpoint write (trainer/fence.py), so a later attempt on the same new world size reuses it; every rank
+then loads its node's copy with the engine's `checkpoint.load_universal`. Step, learning-rate schedule (the
+scheduler's state in the model-states file) and data position (TrainerState) come from the source tag, so the
+run continues the same curve.
+
+Each node converts its own copy because every node holds the whole committed checkpoint before the launch (the
+worker downloads every object of the manifest: worker/checkpoints.py), and the ranks of a node read only its
+disk; the universal copy is scratch and never goes to the store. Nodes that share one folder (one host) convert
+one after the other under a lock on it: the first converts and commits, the next finds the copy committed.
 
 The data position is counted in global batches, which is only the same place in the data when the global
 batch is the same: `resolve` keeps the job's `global_batch_size` for any world size, and a checkpoint whose
@@ -16,12 +22,15 @@ global batch differs from this attempt's is refused rather than resumed at a shi
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,7 @@ from trainer.fence import Fence
 TOPOLOGY_FILE = "topology.json"
 UNIVERSAL_DIR = "universal"
 COMMITTED = "COMMITTED"  # the same marker trainer/checkpoint.py commits tags with
+LOCK_FILE = ".universal.lock"  # held while a node converts: nodes sharing the folder convert one at a time
 CONVERT_TIMEOUT_S = 6 * 3600  # a conversion reads and writes every shard once; far below this on any real model
 
 
@@ -153,28 +163,41 @@ def _convert(source: Path, output: Path) -> None:
 
 
 def universal_copy(checkpoint_dir: Path, tag_dir: Path, fence: Fence) -> tuple[Path, bool]:
-    """Rank 0: the committed universal copy of `tag_dir`, made now unless an earlier attempt made it.
-    Returns (its folder, whether it was converted by this call)."""
+    """A node's first process: the committed universal copy of `tag_dir` in this node's `checkpoint_dir`, made now
+    unless an earlier attempt, or another node sharing the folder, made it. Returns (its folder, whether it was
+    converted by this call)."""
     target = checkpoint_dir / UNIVERSAL_DIR / tag_dir.name
-    if (target / COMMITTED).is_file():
-        return target, False
-    staged = fence.staging(checkpoint_dir, "universal") / tag_dir.name
-    if staged.parent.exists():
-        shutil.rmtree(staged.parent)  # a conversion this attempt began and did not finish
-    _convert(tag_dir, staged)
-    fence.check(f"the universal copy of {tag_dir.name}")
-    if target.exists():
-        shutil.rmtree(target)  # uncommitted leftovers of an attempt that died between the move and the commit
-    target.parent.mkdir(exist_ok=True)
-    os.rename(staged, target)
-    (target / COMMITTED).write_text(json.dumps({"source": tag_dir.name, "attempt": fence.attempt}))
-    shutil.rmtree(staged.parent, ignore_errors=True)  # the converter's `latest_universal` file is all that is left
+    with _locked(checkpoint_dir / LOCK_FILE):
+        if (target / COMMITTED).is_file():
+            return target, False
+        staged = fence.staging(checkpoint_dir, "universal") / tag_dir.name
+        if staged.parent.exists():
+            shutil.rmtree(staged.parent)  # a conversion this attempt began and did not finish
+        _convert(tag_dir, staged)
+        fence.check(f"the universal copy of {tag_dir.name}")
+        if target.exists():
+            shutil.rmtree(target)  # uncommitted leftovers of an attempt that died between the move and the commit
+        target.parent.mkdir(exist_ok=True)
+        os.rename(staged, target)
+        (target / COMMITTED).write_text(json.dumps({"source": tag_dir.name, "attempt": fence.attempt}))
+        shutil.rmtree(staged.parent, ignore_errors=True)  # the converter's `latest_universal` file is what is left
     return target, True
 
 
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def prune(checkpoint_dir: Path, keep: Path) -> None:
-    """Rank 0 after committing `keep`: only the newest tag is ever resumed from, so the universal copies of
-    older ones (each as large as the fp32 weights and optimizer state) are dead weight now."""
+    """Each node's first process once `keep` is committed: only the newest tag is ever resumed from, so the
+    universal copies of older ones (each as large as the fp32 weights and optimizer state) are dead weight now."""
     root = checkpoint_dir / UNIVERSAL_DIR
     if root.is_dir():
         for copy in root.iterdir():
@@ -182,32 +205,48 @@ def prune(checkpoint_dir: Path, keep: Path) -> None:
                 shutil.rmtree(copy, ignore_errors=True)
 
 
-def load_source(resume: Plan, checkpoint_dir: Path, rank: int, fence: Fence) -> tuple[Path, str]:
-    """Collective: (load_dir, tag) for engine.load_checkpoint, converting on rank 0 first when the world changed.
-    Emits `resumed`, the job's record of where and across which world sizes it resumed."""
+def load_source(resume: Plan, checkpoint_dir: Path, fence: Fence, node_rank: int) -> tuple[Path, str]:
+    """Collective: (load_dir, tag) for engine.load_checkpoint, converting on each node first when the world
+    changed. Emits `resumed`, the job's record of where and across which world sizes it resumed, with every
+    node's copy (`copies`)."""
     tag = resume.tag_dir.name
-    converted, seconds = False, 0.0
     source = resume.tag_dir
+    copies: list[dict[str, Any]] = []
     if resume.universal:
-        error: str | None = None
-        if rank == 0:
+        mine: dict[str, Any] | None = None
+        if _local_rank() == 0:
             start = time.monotonic()
             try:
-                source, converted = universal_copy(checkpoint_dir, resume.tag_dir, fence)
+                path, converted = universal_copy(checkpoint_dir, resume.tag_dir, fence)
+                mine = {"node_rank": node_rank, "path": str(path), "converted": converted}
             except Exception as exc:  # noqa: BLE001  # told to every rank below, so none waits forever
-                error = f"{type(exc).__name__}: {exc}"
-            seconds = round(time.monotonic() - start, 3)
-        # Every rank learns whether rank 0 succeeded; a failed conversion fails them all with its reason.
-        box = [error]
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise ElasticResumeError(box[0])
+                mine = {"node_rank": node_rank, "error": f"{type(exc).__name__}: {exc}"}
+            mine["seconds"] = round(time.monotonic() - start, 3)
+        # No rank loads before every node's copy is committed; a failed conversion fails them all with its reason.
+        reports = _gather(mine)
+        failed = [r for r in reports if r is not None and "error" in r]
+        if failed:
+            raise ElasticResumeError("; ".join(f"node {r['node_rank']}: {r['error']}" for r in failed))
+        copies = sorted((r for r in reports if r is not None), key=lambda r: r["node_rank"])
         source = checkpoint_dir / UNIVERSAL_DIR / tag
     emit_rank0(EventKind.RESUMED, step=_step_of(resume.tag_dir), tag=tag, from_world_size=resume.written.world_size,
-               to_world_size=resume.world_size, universal=resume.universal, converted=converted,
-               conversion_seconds=seconds if resume.universal else None, path=str(source))
+               to_world_size=resume.world_size, universal=resume.universal,
+               converted=any(c["converted"] for c in copies),
+               conversion_seconds=max(c["seconds"] for c in copies) if copies else None, path=str(source),
+               copies=copies)
     return source.parent, tag
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _gather(mine: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    return reports
 
 
 def _step_of(tag_dir: Path) -> int | None:

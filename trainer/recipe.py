@@ -359,7 +359,9 @@ def _begin(session: Session, run: Try, guard: Guard) -> Loop:
     paths, hp, train_blocks = session.run_spec.paths, run.job.spec.hyperparameters, session.train_blocks
     ckpt_dir = Path(paths.checkpoint_dir)
     fence = Fence(Path(paths.job_dir), session.run_spec.attempt)
-    state = checkpoint.resume(run.engine, ckpt_dir, session.rank, fence) or TrainerState()
+    placement = session.run_spec.placement
+    state = checkpoint.resume(run.engine, ckpt_dir, session.rank, fence,
+                              node_rank=placement.node_rank if placement else 0) or TrainerState()
     _emit_started(session, run, state)
     flop_counts = flops.counts(getattr(run.engine.module, "config", None), run.n_params, hp.seq_len)
     row_pairs = flops.attended_pairs(train_blocks.position_ids, train_blocks.real_tokens)
