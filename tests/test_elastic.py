@@ -1,15 +1,25 @@
-"""Resuming on another number of processes, under the real launcher on CPU ranks (gloo, tiny model, no mocks).
+"""Resuming on another number of processes, under the real launcher on CPU ranks (gloo, tiny model, no mocks),
+with every checkpoint committed to a real S3 server (moto) and restored from it onto each node before each attempt,
+as a worker does (worker/checkpoints.py).
 
 One chain per ZeRO stage (2 and 3) covers both directions: 2 processes train and are stopped (SIGTERM, checkpoint),
-1 process resumes through the checkpoint's universal copy and is stopped again, 2 processes resume and finish.
-An uninterrupted 2-process run of the same job is the reference. The job fixes the global batch (8 rows), so
-the data position, counted in global batches, names the same rows on either world size.
+1 process resumes through the checkpoint's universal copy and is stopped again, 2 processes resume and finish and
+their export goes to the store. The 2-process attempts run as two nodes of one process each. ZeRO-2's nodes are
+hosts that share no disk, each with a folder of its own: the first attempt runs on hosts a and b (b's folder is
+then deleted), the second on a fresh host c, the third on a and c, so every node restores the checkpoint from the
+store and converts its own copy. ZeRO-3's two nodes share one folder (one host): one node converts, the other
+finds the copy committed. An uninterrupted 2-process run of the same job is the reference. The job fixes the global
+batch (8 rows), so the data position, counted in global batches, names the same rows on either world size.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -18,14 +28,22 @@ import pytest
 
 pytest.register_assert_rewrite("tests.trainer_support")
 
+from contract.spec import GangMember, NodeShare  # noqa: E402
+from store import checkpoints as stored  # noqa: E402
+from store.layout import output_manifest_key  # noqa: E402
+from store.objects import Store  # noqa: E402
+from tests.s3_support import CREDENTIALS, S3Server  # noqa: E402
 from tests.trainer_support import (  # noqa: E402
     Event,
     launch,
+    launch_gang,
     make_job,
     of,
-    stop_after_checkpoint,
     write_run_spec,
 )
+from trainer import fence  # noqa: E402
+from worker import checkpoints, export_store  # noqa: E402
+from worker.outcome import read_completion  # noqa: E402
 
 pytest_plugins = ["tests.trainer_support"]
 
@@ -37,12 +55,36 @@ EVERY = 4
 # 1e-7 relative; 1e-5 is the bound of the same-world resume test (test_trainer_matrix), and a skipped or
 # repeated batch moves the loss by more than 1e-2 here.
 LOSS_REL_TOL = 1e-5
+# Each attempt: the host (folder) of each of its nodes, one process each, and the step after which it is stopped.
+HOSTS: dict[int, list[tuple[list[str], int | None]]] = {
+    2: [(["a", "b"], EVERY), (["c"], 2 * EVERY), (["a", "c"], None)],
+    3: [(["a", "a"], EVERY), (["a"], 2 * EVERY), (["a", "a"], None)],
+}
+GONE = {2: "b"}  # the host lost after the first attempt, its folder with it
 
 
-def _spec(tmp: Path, job: dict[str, Any], job_dir: Path, procs: int, attempt: int) -> Path:
-    path = write_run_spec(tmp, {**job, "resources": {"num_gpus": procs}}, job_dir=job_dir)
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in CREDENTIALS.items():
+                env.setenv(name, value)  # the trainer's and the restore's store client read them
+            yield server
+    finally:
+        server.stop()
+
+
+def _spec(tmp: Path, job: dict[str, Any], job_dir: Path, attempt: int, store: dict[str, Any],
+          nodes: int = 1, node_rank: int = 0, procs: int = 1) -> Path:
+    path = write_run_spec(tmp, {**job, "resources": {"num_gpus": procs, "num_nodes": nodes}}, job_dir=job_dir)
     spec = json.loads(path.read_text())
     spec["attempt"] = attempt  # each resume is the job's next attempt, as the worker would start it
+    spec["paths"]["store"] = store
+    if nodes > 1:
+        gang = [GangMember(node=f"node-{i}", devices=["0"]) for i in range(nodes)]
+        spec["placement"] = NodeShare(node=f"node-{node_rank}", devices=["0"], node_rank=node_rank, num_nodes=nodes,
+                                      gang=gang).model_dump(mode="json")
     path.write_text(json.dumps(spec))
     return path
 
@@ -50,14 +92,40 @@ def _spec(tmp: Path, job: dict[str, Any], job_dir: Path, procs: int, attempt: in
 @dataclass
 class Chain:
     stage: int
-    job_dir: Path
+    root: Path  # host-<name>/job is that host's job folder
+    job_dir: Path  # node 0's folder in the last attempt
     reference: list[Event]
     runs: list[tuple[int, list[Event]]]  # (processes, events) in order
+    hosts: list[list[str]]  # each run's host per node
+    restored: list[list[int | None]] = field(default_factory=list)  # the step each node restored from the store
+    copies_at_resume: list[dict[str, bool]] = field(default_factory=list)  # host -> its universal copy committed
+    store: Store | None = None
+    job_id: str = ""
+    export: dict[str, Any] = field(default_factory=dict)
+
+    def checkpoints(self, host: str) -> Path:
+        return self.root / f"host-{host}" / "job" / "checkpoints"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def _restore(store: Store, job_id: str, job_dir: Path, node_rank: int, attempt: int) -> int | None:
+    """What a node's worker does before the launch: raise the fences, bring the store's newest checkpoint here.
+    Every file of the manifest must then be on this node's disk, whichever node wrote it."""
+    fence.raise_to(job_dir, attempt)
+    stored.raise_fence(store, job_id, attempt)
+    said: list[str] = []
+    manifest = checkpoints.restore(store, job_id, job_dir / "checkpoints", node_rank, lambda line, _: said.append(line))
+    assert not said, said
+    if manifest is None:
+        return None
+    tag_dir = job_dir / "checkpoints" / manifest.tag
+    assert {f.path: f.bytes for f in manifest.files} == {
+        f.path: (tag_dir / f.path).stat().st_size for f in manifest.files if (tag_dir / f.path).is_file()}
+    return manifest.step
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2-hosts", "zero3-one-host"])
 def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
-          corpus: str) -> Chain:
+          corpus: str, s3: S3Server) -> Chain:
     stage = request.param
     tmp = tmp_path_factory.mktemp(f"elastic-zero{stage}")
     train = tmp / "train.txt"
@@ -65,21 +133,58 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     job = make_job(tiny_model, train, hyperparameters={"max_steps": STEPS, "warmup_steps": 2},
                    deepspeed={"zero_stage": stage, "precision": "fp32"},
                    checkpointing={"every_steps": EVERY, "keep_last": 2})
-    rc, reference, tail = launch(_spec(tmp, job, tmp / "reference", 2, 1), procs=2)
+    path = write_run_spec(tmp, {**job, "resources": {"num_gpus": 2}}, job_dir=tmp / "reference")
+    rc, reference, tail = launch(path, procs=2)
     assert rc == 0, tail
     (tmp / "events-reference.json").write_text(json.dumps(reference))
 
-    job_dir = tmp / "job"
-    runs: list[tuple[int, list[Event]]] = []
-    for attempt, (procs, stop_at) in enumerate([(2, EVERY), (1, 2 * EVERY), (2, None)], start=1):
-        on_event = stop_after_checkpoint(stop_at) if stop_at else None
-        rc, events, tail = launch(_spec(tmp, job, job_dir, procs, attempt), procs=procs, on_event=on_event)
+    env = s3.env(s3.bucket())
+    store, job_id = Store(env["FT_STORE_URL"], s3.endpoint), f"elastic-zero{stage}"
+    ref = {"url": env["FT_STORE_URL"], "endpoint": s3.endpoint, "job_id": job_id}
+    chain = Chain(stage, tmp, tmp / "host-a" / "job", reference, [], [], store=store, job_id=job_id)
+    for attempt, (hosts, stop_at) in enumerate(HOSTS[stage], start=1):
+        folders = [tmp / f"host-{h}" / "job" for h in hosts]
+        chain.restored.append([_restore(store, job_id, d, i, attempt) for i, d in enumerate(folders)])
+        seen: dict[str, bool] = {}
+
+        def on_event(event: Event, proc: Any, hosts: list[str] = hosts, seen: dict[str, bool] = seen,
+                     stop_at: int | None = stop_at) -> None:
+            if event["event"] == "resumed":
+                # Every node's copy is committed by the time rank 0 announces the resume; later saves prune it.
+                seen.update({h: (chain.checkpoints(h) / "universal" / event["tag"] / "COMMITTED").is_file()
+                             for h in hosts})
+            # By step, not by the `checkpoint` event: that comes when the store commits, a variable number of
+            # steps later. The trainer honours SIGTERM at the next step boundary with a checkpoint of its own.
+            if stop_at is not None and event["event"] == "progress" and event["step"] >= stop_at \
+                    and not seen.get("stopped"):
+                seen["stopped"] = True
+                for each in proc if isinstance(proc, list) else [proc]:
+                    os.killpg(each.pid, signal.SIGTERM)
+
+        if len(hosts) == 1:
+            rc, events, tail = launch(_spec(tmp, job, folders[0], attempt, ref), procs=1, on_event=on_event)
+            codes = [rc]
+        else:
+            specs = [(_spec(tmp, job, d, attempt, ref, nodes=len(hosts), node_rank=i), 1)
+                     for i, d in enumerate(folders)]
+            codes, events, tail = launch_gang(specs, on_event=on_event)
         assert not of(events, "error"), tail
-        assert (rc == 0) == (stop_at is None), tail
-        runs.append((procs, events))
+        assert all((rc == 0) == (stop_at is None) for rc in codes), (codes, tail)
+        chain.runs.append((len(hosts), events))
+        chain.hosts.append(hosts)
+        seen.pop("stopped", None)
+        chain.copies_at_resume.append(seen)
         # Kept beside the job for a failing run's post-mortem.
         (tmp / f"events-{attempt}.json").write_text(json.dumps(events))
-    return Chain(stage, job_dir, reference, runs)
+        if attempt == 1 and stage in GONE:
+            shutil.rmtree(tmp / f"host-{GONE[stage]}")
+    out = chain.job_dir / "output"
+    completion = read_completion(out)
+    assert completion is not None
+    chain.export = export_store.publish(store, job_id=job_id, attempt=len(HOSTS[stage]), output_dir=out,
+                                        completion=completion, give_up_after=30, interrupted=lambda: None,
+                                        say=lambda line: None)
+    return chain
 
 
 def _stopped_at(events: list[Event]) -> int:
@@ -87,18 +192,30 @@ def _stopped_at(events: list[Event]) -> int:
     return int(stopped["step"])
 
 
-def test_resume_changes_world_size_through_a_committed_universal_copy(chain: Chain) -> None:
+def test_resume_changes_world_size_through_a_committed_universal_copy_on_every_node(chain: Chain) -> None:
     (_, first), (_, second), (_, third) = chain.runs
     assert not of(first, "resumed")
-    for (before, prev), (procs, events) in pairwise(chain.runs):
+    assert chain.restored[0] == [None] * len(chain.hosts[0])
+    for run, ((before, prev), (procs, events)) in enumerate(pairwise(chain.runs), start=1):
         (resumed,) = of(events, "resumed")
         (started,) = of(events, "started")
         step = _stopped_at(prev)
+        tag = f"step-{step:08d}"
+        hosts = chain.hosts[run]
+        # Every node restored the checkpoint the previous attempt committed to the store, whole, onto its own disk.
+        assert chain.restored[run] == [step] * len(hosts), chain.restored
         # The job's events say where it resumed from and that the world size changed.
         assert resumed["step"] == started["resumed_from_step"] == step, (resumed, started)
         assert (resumed["from_world_size"], resumed["to_world_size"]) == (before, procs), resumed
         assert resumed["universal"] is True and resumed["converted"] is True, resumed
-        assert resumed["path"] == str(chain.job_dir / "checkpoints" / "universal" / f"step-{step:08d}")
+        assert resumed["path"] == str(chain.checkpoints(hosts[0]) / "universal" / tag)
+        # Each node loaded a universal copy in its own folder, committed there before any rank loaded: converted
+        # by every host from its own copy, and once per folder where nodes share one.
+        copies = resumed["copies"]
+        assert [(c["node_rank"], c["path"]) for c in copies] == [
+            (i, str(chain.checkpoints(h) / "universal" / tag)) for i, h in enumerate(hosts)], copies
+        assert chain.copies_at_resume[run] == dict.fromkeys(hosts, True)
+        assert sum(c["converted"] for c in copies) == len(set(hosts)), copies
         assert started["world_size"] == procs
         # The global batch stays 8 rows: micro 2 x accumulation (8 / 2 / processes) x processes.
         assert started["micro_batch_size"] * started["gradient_accumulation_steps"] * procs == 8, started
@@ -110,10 +227,26 @@ def test_resume_changes_world_size_through_a_committed_universal_copy(chain: Cha
     assert json.loads((ckpt / tags[-1] / "topology.json").read_text()) == {
         "world_size": 2, "global_batch": 8, "zero_stage": chain.stage}
     assert json.loads((ckpt / tags[0] / "topology.json").read_text())["world_size"] == 1
-    # A universal copy is dead weight once a newer checkpoint is committed; no conversion staging is left.
-    assert list((ckpt / "universal").iterdir()) == []
-    assert not list(ckpt.glob(".universal-attempt-*"))
+    # A universal copy is dead weight once a newer checkpoint is committed, on every node's disk; no conversion
+    # staging is left.
+    for host in set(chain.hosts[-1]):
+        assert list((chain.checkpoints(host) / "universal").iterdir()) == [], host
+        assert not list(chain.checkpoints(host).glob(".universal-attempt-*")), host
     assert of(third, "completed")[0]["steps"] == STEPS
+
+
+def test_the_store_holds_the_checkpoints_and_the_export_and_never_a_universal_copy(chain: Chain) -> None:
+    assert chain.store is not None
+    manifests, unreadable = stored.read_all(chain.store, chain.job_id)
+    assert not unreadable and [m.step for m in manifests] == [STEPS, _stopped_at(chain.runs[1][1])]
+    keys = [item.key for item in chain.store.list(f"jobs/{chain.job_id}/")]
+    assert not [k for k in keys if "universal" in k], keys
+    assert chain.store.head(output_manifest_key(chain.job_id)) is not None
+    assert {"model.safetensors", "config.json"} <= {f["path"] for f in chain.export["files"]}
+    if chain.stage in GONE:
+        assert not (chain.root / f"host-{GONE[chain.stage]}").exists()
+        # Only node 0 exports; the other host's folder holds no output.
+        assert not (chain.checkpoints("c").parent / "output" / "COMPLETE").exists()
 
 
 def test_steps_learning_rates_data_order_and_losses_continue(chain: Chain) -> None:
@@ -137,27 +270,34 @@ def test_steps_learning_rates_data_order_and_losses_continue(chain: Chain) -> No
         assert seen[step]["epoch"] == reference[step]["epoch"], step
         assert seen[step]["loss"] == pytest.approx(reference[step]["loss"], rel=LOSS_REL_TOL), step
     state = json.loads((chain.job_dir / "checkpoints" / f"step-{STEPS:08d}" / "trainer_state.json").read_text())
-    ref_state = json.loads((chain.job_dir.parent / "reference" / "checkpoints" / f"step-{STEPS:08d}"
+    ref_state = json.loads((chain.root / "reference" / "checkpoints" / f"step-{STEPS:08d}"
                             / "trainer_state.json").read_text())
     assert {k: state[k] for k in ("step", "epoch", "next_batch", "tokens_seen")} == \
         {k: ref_state[k] for k in ("step", "epoch", "next_batch", "tokens_seen")}
 
 
 def test_a_universal_copy_is_converted_once_and_reused(chain: Chain) -> None:
-    """An attempt that dies after converting and before its next checkpoint leaves the copy committed; the next
-    attempt on that world size loads it without converting again. Driven directly (no launch) on the
-    reference's newest tag, written by 2 processes."""
+    """Two nodes sharing a folder convert it once: the one that takes the folder's lock converts, the other waits
+    and finds the copy committed. An attempt that dies after converting and before its next checkpoint leaves the
+    copy committed; the next attempt on that world size loads it without converting again. Driven directly (no
+    launch) on the reference's newest tag, written by 2 processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from trainer import elastic
     from trainer.fence import Fence
 
-    ckpt = chain.job_dir.parent / "reference" / "checkpoints"
+    ckpt = chain.root / "reference" / "checkpoints"
     tag = ckpt / f"step-{STEPS:08d}"
     plan = elastic.plan(tag, 1)
     assert plan.universal and plan.written == elastic.Topology(2, 8, chain.stage)
     assert not elastic.plan(tag, 2).universal
-    copy, converted = elastic.universal_copy(ckpt, tag, Fence(chain.job_dir.parent / "reference", 2))
-    assert converted and (copy / "COMMITTED").is_file() and (copy / "zero").is_dir()
-    again, converted = elastic.universal_copy(ckpt, tag, Fence(chain.job_dir.parent / "reference", 3))
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: elastic.universal_copy(ckpt, tag, Fence(chain.root / "reference", 2)),
+                             range(2)))
+    assert sorted(converted for _, converted in both) == [False, True], both
+    copy = both[0][0]
+    assert both[1][0] == copy and (copy / "COMMITTED").is_file() and (copy / "zero").is_dir()
+    again, converted = elastic.universal_copy(ckpt, tag, Fence(chain.root / "reference", 3))
     assert again == copy and not converted
     assert not (ckpt / ".universal-attempt-2").exists()
 

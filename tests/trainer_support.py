@@ -159,6 +159,72 @@ def launch(spec_path: Path, *, procs: int = 2,
     return proc.returncode, events, tail
 
 
+def launch_gang(nodes: list[tuple[Path, int]], *,
+                on_event: Callable[[Event, list[subprocess.Popen[str]]], None] | None = None,
+                ) -> tuple[list[int], list[Event], str]:
+    """A multi-node run on this machine: one launcher per (run spec, processes), each started as a worker starts
+    its node's part (`--no_ssh`, its own `--node_rank`, node 0's address and port, the same hostfile), each with
+    its own session. Returns (exit codes, events of every node in arrival order, tails). Each spec names its
+    node's own folders, so nodes share a disk only where their specs name the same one."""
+    from worker.gang import hostfile_text
+
+    folder = Path(tempfile.mkdtemp(prefix="gang-"))
+    hostfile = folder / "hostfile"
+    hostfile.write_text(hostfile_text([(f"node-{i}", procs) for i, (_, procs) in enumerate(nodes)]))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(ops_dir())}
+    events: list[Event] = []
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    errs = [(folder / f"stderr-{i}").open("w+") for i in range(len(nodes))]
+    for i, (spec_path, _) in enumerate(nodes):
+        argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                "--node_rank", str(i), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                "--module", "trainer", "--spec", str(spec_path)]
+        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=errs[i], text=True,
+                                      start_new_session=True))
+    lines: list[list[str]] = [[] for _ in nodes]
+
+    def pump(i: int) -> None:
+        stdout = procs[i].stdout
+        assert stdout is not None
+        for line in stdout:
+            lines[i].append(line)
+            event = parse_event(line)
+            if event is not None:
+                with lock:
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(event, procs)
+
+    def kill_all() -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(LAUNCH_TIMEOUT, kill_all)
+    watchdog.start()
+    pumps = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(nodes))]
+    try:
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        for proc in procs:
+            proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        kill_all()
+        for proc in procs:
+            proc.wait()
+    tails = []
+    for i, err in enumerate(errs):
+        err.seek(0)
+        tails.append(f"--- node {i} ---\n" + "".join(lines[i])[-3000:] + err.read()[-3000:])
+        err.close()
+    return [proc.returncode for proc in procs], events, "\n".join(tails)
+
+
 def of(events: list[Event], kind: str) -> list[Event]:
     return [e for e in events if e["event"] == kind]
 
