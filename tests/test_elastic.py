@@ -319,3 +319,27 @@ def test_a_resume_that_cannot_continue_the_same_data_is_refused_before_convertin
     with pytest.raises(elastic.ElasticResumeError, match="checkpoint.load_universal=False"):
         elastic.check(plan, load_universal=False, global_batch=8, pipelined=False)
     assert not (chain.job_dir / "checkpoints" / "universal" / tag.name).exists()
+
+
+def test_a_node_whose_conversion_fails_fails_the_resume_with_its_reason(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank learns each node's outcome before any loads; a node whose copy cannot be converted (here its
+    shard is not a checkpoint at all) fails the resume, naming the node, and commits no copy."""
+    from trainer import elastic
+    from trainer.fence import Fence
+
+    ckpt = tmp_path / "checkpoints"
+    tag = ckpt / "step-00000004"
+    tag.mkdir(parents=True)
+    (tag / "topology.json").write_text(json.dumps({"world_size": 2, "global_batch": 8, "zero_stage": 2}))
+    (tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    (tag / "COMMITTED").write_text(json.dumps({"step": 4, "attempt": 1}))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    plan = elastic.plan(tag, 1)
+    assert plan.universal
+    with pytest.raises(elastic.ElasticResumeError,
+                       match=r"^node 3: ElasticResumeError: converting checkpoint step-00000004 to DeepSpeed's "
+                             r"universal format failed \(exit \d+\)"):
+        elastic.load_source(plan, ckpt, Fence(tmp_path, 2), node_rank=3)
+    assert not (ckpt / "universal" / tag.name).exists()
+    assert not list(ckpt.glob(".universal-attempt-*/step-*/zero"))

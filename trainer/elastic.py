@@ -220,13 +220,13 @@ def load_source(resume: Plan, checkpoint_dir: Path, fence: Fence, node_rank: int
                 path, converted = universal_copy(checkpoint_dir, resume.tag_dir, fence)
                 mine = {"node_rank": node_rank, "path": str(path), "converted": converted}
             except Exception as exc:  # noqa: BLE001  # told to every rank below, so none waits forever
-                mine = {"node_rank": node_rank, "error": f"{type(exc).__name__}: {exc}"}
+                mine = {"node_rank": node_rank, "failure": f"{type(exc).__name__}: {exc}"}
             mine["seconds"] = round(time.monotonic() - start, 3)
         # No rank loads before every node's copy is committed; a failed conversion fails them all with its reason.
         reports = _gather(mine)
-        failed = [r for r in reports if r is not None and "error" in r]
+        failed = [r for r in reports if r is not None and "failure" in r]
         if failed:
-            raise ElasticResumeError("; ".join(f"node {r['node_rank']}: {r['error']}" for r in failed))
+            raise ElasticResumeError("; ".join(f"node {r['node_rank']}: {r['failure']}" for r in failed))
         copies = sorted((r for r in reports if r is not None), key=lambda r: r["node_rank"])
         source = checkpoint_dir / UNIVERSAL_DIR / tag
     emit_rank0(EventKind.RESUMED, step=_step_of(resume.tag_dir), tag=tag, from_world_size=resume.written.world_size,
