@@ -80,7 +80,8 @@ _DESCRIPTIONS = {
     401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired (`invalid_api_key`)",
     403: "The key lacks the scope this needs; the message names it",
     404: "No such object (another owner's is not found either), or no such route",
-    409: "The object's state does not allow this (`file_in_use`: a job that has not ended uses the file)",
+    409: "The object's state does not allow this (`file_in_use`: a job that has not ended uses the file; a job that "
+         "has ended cannot be cancelled), or the Idempotency-Key was used with another body",
     413: "The body is larger than the limit (1 MiB; an uploaded file: the service's FT_MAX_FILE_BYTES)",
     416: "The Range lies outside the file; Content-Range gives its size",
     429: "The owner's quota would be exceeded (`insufficient_quota`); the message names the limit and the use",

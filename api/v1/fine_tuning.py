@@ -14,6 +14,7 @@ from api.guards import StrictJSONRoute
 from api.services import checkpoints as checkpoint_store
 from api.services import jobs as native
 from api.v1 import names, service
+from api.v1.errors import PREFIX, responses
 from api.v1.hyperparameters import FineTuningJobCreate, bad_request
 from api.v1.job_schemas import (
     FineTuningJob,
@@ -26,7 +27,8 @@ from db import finetuning as store
 from db import idempotency
 from db.errors import NotFound
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["openai: fine-tuning"], route_class=StrictJSONRoute)
+router = APIRouter(prefix=f"{PREFIX}/fine_tuning/jobs", tags=["openai: fine-tuning"], route_class=StrictJSONRoute,
+                   responses=responses(400, 401, 403, 404, 503))
 READ, WRITE = scoped(Scope.JOBS_READ), scoped(Scope.JOBS_WRITE)
 MAX_SEQ = 2**31 - 1
 # Raw output lines are the native log's (GET /jobs/{id}/logs), not OpenAI events.
@@ -42,7 +44,7 @@ async def _job(job_id: str, caller: Any) -> dict[str, Any]:
         raise service.not_found(job_id) from None
 
 
-@router.post("", response_model=FineTuningJob, openapi_extra=WRITE)
+@router.post("", response_model=FineTuningJob, responses=responses(409, 413, 429), openapi_extra=WRITE)
 async def create_job(body: FineTuningJobCreate, settings: SettingsDep, caller: CallerDep,
                      idempotency_key: Annotated[str | None, Header(
                          alias=idempotency.HEADER, pattern=r"^[\x21-\x7e]{1,255}$")] = None) -> dict[str, Any]:
@@ -80,7 +82,7 @@ async def get_job(job_id: JobId, settings: SettingsDep, caller: CallerDep) -> di
     return (await service.views(settings, [await _job(job_id, caller)]))[0]
 
 
-@router.post("/{job_id}/cancel", response_model=FineTuningJob, openapi_extra=WRITE)
+@router.post("/{job_id}/cancel", response_model=FineTuningJob, responses=responses(409), openapi_extra=WRITE)
 async def cancel_job(job_id: JobId, client: RedisDep, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     try:
         await native.cancel(client=client, job_id=job_id, caller=caller)

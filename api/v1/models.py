@@ -15,11 +15,12 @@ from api.deps import CallerDep, SettingsDep, owner_of, scoped
 from api.errors import ApiError, ErrorCode
 from api.settings import ApiSettings
 from api.v1 import names, service
+from api.v1.errors import PREFIX, responses
 from api.v1.job_schemas import Model, ModelList
 from db import finetuning as store
 from db.errors import NotFound
 
-router = APIRouter(prefix="/v1/models", tags=["openai: models"])
+router = APIRouter(prefix=f"{PREFIX}/models", tags=["openai: models"], responses=responses(400, 401, 403, 404, 503))
 READ = scoped(Scope.JOBS_READ)
 # Who a base model belongs to, as OpenAI names its own.
 SYSTEM = "system"
