@@ -76,12 +76,16 @@ def test_a_manifest_a_superseded_attempt_writes_after_the_takeover_is_never_trus
     assert steps(api_view) == [(1, 10), (1, 20)]
     assert asyncio.run(stored.read_async(store, JOB, 30)) is None
 
-    # Attempt 2 resumes from step 20, never from the late step 30, and says why it passed it over.
+    # Attempt 2 resumes from step 20, never from the late step 30, and says why it passed it over. The node's
+    # scratch keeps only that copy: an older restored one is removed, the late one was never committed.
+    for step in (10, 30):
+        (tmp_path / "ckpt" / stored.tag_for(step)).mkdir(parents=True)
     said: list[tuple[str, dict[str, Any]]] = []
     chosen = restoring.restore(store, JOB, tmp_path / "ckpt", 0, lambda line, fields: said.append((line, fields)))
     assert chosen is not None and (chosen.attempt, chosen.step) == (1, 20)
     assert (tmp_path / "ckpt" / stored.tag_for(20) / "model.pt").read_bytes() == b"weights of attempt 1 at step 20"
     assert any(late.key in line for line, _ in said), said
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == [stored.tag_for(20)]
 
     # Attempt 2 commits step 30 too: beside the late one, never replaced by it, and the one served for step 30.
     mine = committed(store, 2, 30)

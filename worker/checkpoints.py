@@ -62,6 +62,10 @@ def restore(store: Store, job_id: str, checkpoint_dir: Path, node_rank: int, say
                 say(f"local checkpoint {tag_dir.name} was never committed to the store; it is not resumed from",
                     {"path": str(tag_dir)})
                 shutil.rmtree(tag_dir, ignore_errors=True)
+            elif tag_dir.name < chosen.tag:
+                # Scratch: the store keeps the committed ones. Without this a node other than the first, whose
+                # own saves leave its disk once uploaded, would keep one restored copy per attempt for good.
+                shutil.rmtree(tag_dir, ignore_errors=True)
     return chosen
 
 
