@@ -34,8 +34,12 @@ def _store(url: str, endpoint: str | None) -> Store:
     return Store(url, endpoint)
 
 
-async def _store_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> Store:
+def store_of(settings: ApiSettings) -> Store:
     return _store(settings.store_url, settings.s3_endpoint_url)
+
+
+async def _store_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> Store:
+    return store_of(settings)
 
 
 SettingsDep = Annotated[ApiSettings, Depends(_settings)]

@@ -244,8 +244,9 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A model by hub id (`org/name`), by a path under the configured model root, or by a succeeded job of the
-    caller's (`job_…`), whose exported weights and tokenizer it continues from."""
+    """A model by hub id (`org/name`), by a path under the configured model root, by a succeeded job of the
+    caller's (`job_…`), whose exported weights and tokenizer it continues from, or by a committed checkpoint of a
+    job of the caller's (`job_…@step-N`), whose weights at that step it continues from."""
 
     # PATH_MAX: the API rewrites a local model to its absolute path, which the trainer validates again.
     name_or_path: Text = Field(min_length=1, max_length=MAX_PATH_CHARS)
@@ -261,6 +262,15 @@ class ModelSpec(_Strict):
                                     "kernels for Llama-family full fine-tunes where liger-kernel is installed (the "
                                     "`gpu` extra); torch: the model's own modules. The started event says what ran")
 
+    @field_validator("name_or_path")
+    @classmethod
+    def _checkpoint_spelling(cls, v: str) -> str:
+        if v.startswith(JOB_ID_PREFIX) and "@" in v and checkpoint_ref(v) is None:
+            raise ValueError(f"{v!r} is no checkpoint of a job: name one as `<job id>{CHECKPOINT_MARK}<step>`, "
+                             f"e.g. job_0123456789abcdef0123{CHECKPOINT_MARK}100 (GET /jobs/{{id}}/checkpoints "
+                             "lists the committed steps)")
+        return v
+
 
 # What `POST /files` names its files; a data field holding one is a file of the store, not a path.
 FILE_ID_PREFIX = "file_"
@@ -272,10 +282,23 @@ def is_file_id(value: str) -> bool:
 
 # A model named so is the export of a succeeded job of the caller's: continued fine-tuning.
 JOB_ID_PREFIX = "job_"
+# `job_…@step-N`: the checkpoint a job committed at step N (the store's tag, store/checkpoints.py `tag_for`).
+CHECKPOINT_MARK = "@step-"
+_CHECKPOINT_REF = re.compile(rf"^({JOB_ID_PREFIX}[A-Za-z0-9_-]{{1,40}}){re.escape(CHECKPOINT_MARK)}([0-9]{{1,12}})$")
 
 
 def is_job_id(value: str) -> bool:
-    return value.startswith(JOB_ID_PREFIX) and "/" not in value
+    return value.startswith(JOB_ID_PREFIX) and "/" not in value and "@" not in value
+
+
+def checkpoint_ref(value: str) -> tuple[str, int] | None:
+    """(job id, step) of a model named as a job's checkpoint (`job_…@step-N`), or None."""
+    found = _CHECKPOINT_REF.match(value)
+    return (found.group(1), int(found.group(2))) if found else None
+
+
+def checkpoint_name(job_id: str, step: int) -> str:
+    return f"{job_id}{CHECKPOINT_MARK}{step}"
 
 
 class DataSpec(_Strict):
@@ -495,9 +518,12 @@ class StoredModelFile(_Strict):
 
 
 class StoredModel(_Strict):
-    """The base model of a continued fine-tune: the export of `job_id`, as the submit found it in the store."""
+    """The base model of a continued fine-tune, as the submit found it in the store: the export of `job_id`, or
+    with `step`, the files of its checkpoint at that step (DeepSpeed's state and the model's config and
+    tokenizer), which each node turns into a model folder (worker/from_checkpoint.py)."""
 
     job_id: str
+    step: int | None = Field(default=None, ge=0)
     files: list[StoredModelFile] = Field(min_length=1)
 
 
@@ -514,7 +540,8 @@ class ResolvedJob(_Strict):
     micro_batch_auto: bool = False
     # The stored files of the spec's data fields, by field ("data.train", "data.validation").
     inputs: dict[str, StoredInput] = Field(default_factory=dict)
-    # The model, where the spec names a succeeded job of the caller's (`"model": "job_…"`).
+    # The model, where the spec names a succeeded job of the caller's (`"model": "job_…"`) or a checkpoint of a
+    # job of the caller's (`"model": "job_…@step-N"`).
     base_model: StoredModel | None = None
 
 

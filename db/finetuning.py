@@ -17,21 +17,23 @@ from db import keyset, reads
 from db import pool as pg
 from db.errors import Invalid
 
-# The job a job continues from is its model (`job_…`, contract/spec.py `is_job_id`); a chain is followed at most
-# this far, which no real chain of continued fine-tunes comes near.
+# The job a job continues from is its model (`job_…`, contract/spec.py `is_job_id`), or the job before the `@` of a
+# checkpoint's name (`job_…@step-N`, `checkpoint_ref`); a chain is followed at most this far, which no real chain
+# of continued fine-tunes comes near.
 MAX_CHAIN = 64
 MODEL_OF = "request->'model'->>'name_or_path'"
+PARENT_OF = f"split_part({MODEL_OF}, '@', 1)"
 LINEAGE = f"""
 WITH RECURSIVE chain (start, model, depth) AS (
     SELECT id, {MODEL_OF}, 0 FROM jobs WHERE id = ANY($1::text[])
     UNION ALL
-    SELECT c.start, p.{MODEL_OF}, c.depth + 1 FROM chain AS c JOIN jobs AS p ON p.id = c.model
+    SELECT c.start, p.{MODEL_OF}, c.depth + 1 FROM chain AS c JOIN jobs AS p ON p.id = split_part(c.model, '@', 1)
     WHERE c.depth < {MAX_CHAIN}
 ), roots AS (
     SELECT DISTINCT ON (start) start, model FROM chain ORDER BY start, depth DESC
 )
 SELECT r.start, r.model, p.id, p.name, p.owner
-FROM roots AS r JOIN jobs AS s ON s.id = r.start LEFT JOIN jobs AS p ON p.id = s.{MODEL_OF}"""
+FROM roots AS r JOIN jobs AS s ON s.id = r.start LEFT JOIN jobs AS p ON p.id = s.{PARENT_OF}"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,10 @@ from store.objects import AlreadyExists, Store
 
 MANIFEST_FORMAT = 1
 TAG_PREFIX = "step-"
+# The folder of a tag holding the model's Hugging Face config, tokenizer and generation config: with DeepSpeed's
+# weights beside it, what a job continued from this checkpoint builds its model from (worker/from_checkpoint.py).
+HF_FOLDER = "hf"
+HF_CONFIG = f"{HF_FOLDER}/config.json"
 
 
 def tag_for(step: int) -> str:

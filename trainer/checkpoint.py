@@ -93,11 +93,27 @@ def _pause_for_tests() -> None:
         time.sleep(float(pause))
 
 
+def write_model_files(folder: Path, module: Any, tokenizer: Any) -> None:
+    """The model's config, tokenizer and generation config (a few small files), so that a checkpoint alone makes
+    a model folder with its weights (worker/from_checkpoint.py). A pipeline's module has no Hugging Face config:
+    its checkpoints are resumed from, never continued from."""
+    config = getattr(module, "config", None)
+    if not hasattr(config, "save_pretrained") or tokenizer is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    gen = getattr(module, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(folder)
+
+
 def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence,
-         uploads: Uploads | None = None) -> Path:
+         uploads: Uploads | None = None, tokenizer: Any = None) -> Path:
     """Collective: every rank must call it at the same step. With `uploads` (a job the worker runs) the
     checkpoint is also uploaded to the store beside the next steps and committed there by its manifest
-    (trainer/uploader.py), which then emits the `checkpoint` event."""
+    (trainer/uploader.py), which then emits the `checkpoint` event. With `tokenizer`, the model's own files are
+    saved beside DeepSpeed's (`write_model_files`)."""
     tag = tag_for(state.step)
     staged = fence.staging(checkpoint_dir) / tag
     tag_dir = checkpoint_dir / tag
@@ -112,6 +128,7 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     (staged / f"rng-rank{rank:05d}.json").write_text(json.dumps(_rng_state()))
     if rank == 0:
         (staged / STATE_FILE).write_text(json.dumps(asdict(state)))
+        write_model_files(staged / stored.HF_FOLDER, engine.module, tokenizer)
     elastic.record(staged, engine, rank)
     _pause_for_tests()
     _barrier()

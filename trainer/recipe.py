@@ -449,13 +449,13 @@ def _between_steps(session: Session, run: Try, loop: Loop, stop_votes: float) ->
         _evaluate_and_emit(session, run, loop)
     if stop_votes > 0:
         checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
-                        session.uploads)
+                        session.uploads, session.tokenizer)
         emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
         raise Interrupted(state.step)
     every = spec.checkpointing.every_steps
     if every and state.step % every == 0:
         checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
-                        session.uploads)
+                        session.uploads, session.tokenizer)
 
 
 def _evaluate_and_emit(session: Session, run: Try, loop: Loop) -> None:

@@ -290,7 +290,7 @@ class Attempt:
         if not isinstance(exc, inputs.InputUnavailable):
             raise exc
         self.note(str(exc), **self.where)
-        return Outcome(Status.FAILED, error={"code": FailureCode.INPUT_UNAVAILABLE, "message": str(exc)})
+        return Outcome(Status.FAILED, error={"code": exc.code, "message": str(exc)})
 
     def launch(self, spec: RunSpec, spec_file: Path, log_dir: Path, ext_dir: Path,
                gang: GangLaunch | None) -> Launched:

@@ -1,33 +1,50 @@
 """A job's stored inputs on this node: each file the submit resolved (contract/spec.py `StoredInput`, and the
 files of a base model a continued fine-tune names, `StoredModel`) is fetched from the artifact store into the
 node's cache (store/cache.py) and the run spec is pointed at the local copies, so the trainer reads paths as it
-always did. Every node of a job fetches its own copy: no node
-reads another's disk."""
+always did. A base model that is a job's checkpoint is made a model folder first (worker/from_checkpoint.py).
+Every node of a job fetches its own copy: no node reads another's disk."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from contract.spec import ResolvedJob
+from contract.codes import FailureCode
+from contract.spec import ResolvedJob, StoredModel
 from store.cache import NodeCache
+from store.checkpoints import tag_for
 from store.objects import error_line
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
 class InputUnavailable(Exception):
     """A stored input could not be fetched: the store is unreachable, the object is gone or its bytes changed."""
+
+    code = FailureCode.INPUT_UNAVAILABLE
+
+
+class BaseModelUnusable(InputUnavailable):
+    """A checkpoint the job continues from was fetched but could not be made a model folder."""
+
+    code = FailureCode.MODEL_LOAD_ERROR
 
 
 def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJob, holds: ExitStack,
              model_dir: Path) -> None:
     """Fetch every stored input and rewrite `run_spec`'s fields to the local copies; the copies stay held (not
-    evictable) until `holds` closes. A base model's files are linked into `model_dir` under their own names."""
+    evictable) until `holds` closes. A base model's export is linked into `model_dir` under its own names; a base
+    model's checkpoint is linked into a folder beside it, from which `model_dir` is written."""
     if not job.inputs and job.base_model is None:
         return
     store = settings.store()
@@ -47,14 +64,39 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
         data[field.removeprefix("data.")] = str(local(f"{field}: stored file {found.file_id}", found.key,
                                                       found.sha256, found.bytes))
         log.info("%s: %s is %s", field, found.file_id, data[field.removeprefix("data.")])
-    if job.base_model is not None:
-        shutil.rmtree(model_dir, ignore_errors=True)
-        for f in job.base_model.files:
-            path = local(f"model.name_or_path: {f.path} of job {job.base_model.job_id}'s export", f.key, f.sha256,
-                         f.bytes)
-            link = model_dir / f.path
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(path)
-        run_spec["job"]["spec"]["model"]["name_or_path"] = str(model_dir)
-        log.info("model: job %s's export is %s", job.base_model.job_id, model_dir)
+    base = job.base_model
+    if base is None:
+        return
+    what, folder = f"job {base.job_id}'s export", model_dir
+    gathered = model_dir.with_name(f"{model_dir.name}-checkpoint")
+    if base.step is not None:
+        # A checkpoint's files are gathered as the tag folder DeepSpeed wrote, then made the model folder.
+        what, folder = f"job {base.job_id}'s checkpoint at step {base.step}", gathered / tag_for(base.step)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.rmtree(gathered, ignore_errors=True)
+    for f in base.files:
+        path = local(f"model.name_or_path: {f.path} of {what}", f.key, f.sha256, f.bytes)
+        link = folder / f.path
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+    if base.step is not None:
+        try:
+            _model_from_checkpoint(settings, base, folder, model_dir)
+        finally:
+            shutil.rmtree(gathered, ignore_errors=True)  # links only: the cache keeps the files
+    run_spec["job"]["spec"]["model"]["name_or_path"] = str(model_dir)
+    log.info("model: %s is %s", what, model_dir)
+
+
+def _model_from_checkpoint(settings: WorkerSettings, base: StoredModel, tag_dir: Path, model_dir: Path) -> None:
+    """The model folder of a checkpoint, built by a process of its own (worker/from_checkpoint.py): torch and the
+    weights' memory stay out of the worker."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([settings.python or sys.executable, "-m", "worker.from_checkpoint", str(tag_dir),
+                           str(model_dir)], cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise BaseModelUnusable(f"model.name_or_path: job {base.job_id}'s checkpoint at step {base.step} could not be "
+                                f"made a model: {last}")
 

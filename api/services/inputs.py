@@ -1,19 +1,31 @@
 """What a job reads from the artifact store: data fields that name stored files (`file_…` from POST /files), each a
-processed file of the caller's, and a model that names a succeeded job of the caller's (continued fine-tuning).
-The submit records what it found (contract/spec.py `StoredInput`, `StoredModel`), so every node fetches and checks
-exactly the bytes that were validated or exported (worker/inputs.py)."""
+processed file of the caller's, and a model that names a succeeded job of the caller's or a committed checkpoint of
+a job of the caller's (continued fine-tuning). The submit records what it found (contract/spec.py `StoredInput`,
+`StoredModel`), so every node fetches and checks exactly the bytes that were validated, exported or committed
+(worker/inputs.py)."""
 
 from __future__ import annotations
 
 import orjson
 
+from api.services import checkpoints
 from contract.codes import JobStatus
 from contract.files import FileStatus
 from contract.problems import FieldError
-from contract.spec import ResolvedJob, StoredInput, StoredModel, StoredModelFile, is_file_id, is_job_id
+from contract.spec import (
+    ResolvedJob,
+    StoredInput,
+    StoredModel,
+    StoredModelFile,
+    checkpoint_ref,
+    is_file_id,
+    is_job_id,
+)
 from db import files, reads
 from db.errors import NotFound
+from store.checkpoints import HF_CONFIG, HF_FOLDER
 from store.layout import file_key
+from store.objects import Store
 
 # A LoRA job's export holds the adapter and, in this folder, the merged model a next job can continue from.
 MERGED = "merged/"
@@ -21,9 +33,14 @@ MERGED = "merged/"
 FIELDS = ("train", "validation")
 
 
-async def resolve(resolved: ResolvedJob, owner: str) -> list[FieldError]:
+MODEL_FIELD = "model.name_or_path"
+
+
+async def resolve(resolved: ResolvedJob, owner: str, store: Store) -> list[FieldError]:
     """Record what `resolved` reads from the store; returns what is wrong."""
-    return await _data(resolved, owner) + await _base_model(resolved, owner)
+    errors = await _data(resolved, owner)
+    errors += await _base_model(resolved, owner)
+    return errors + await _checkpoint(resolved, owner, store)
 
 
 async def _base_model(resolved: ResolvedJob, owner: str) -> list[FieldError]:
@@ -31,7 +48,7 @@ async def _base_model(resolved: ResolvedJob, owner: str) -> list[FieldError]:
     name = resolved.spec.model.name_or_path
     if not is_job_id(name):
         return []
-    field = "model.name_or_path"
+    field = MODEL_FIELD
     try:
         job = orjson.loads(await reads.job(name, owner))
     except NotFound:
@@ -46,6 +63,49 @@ async def _base_model(resolved: ResolvedJob, owner: str) -> list[FieldError]:
     resolved.base_model = StoredModel(job_id=name, files=[
         StoredModelFile(path=f["path"].removeprefix(MERGED), key=f"{prefix}/{f['path']}", bytes=f["bytes"],
                         sha256=f["sha256"]) for f in (merged or listed)])
+    return []
+
+
+def _weights_or_model_files(path: str) -> bool:
+    """What a model is made of in a checkpoint's files: DeepSpeed's model and optimizer states (the fp32 weights
+    of a ZeRO job are in the latter) and the trainer's `hf/` folder; not the RNG states or the trainer's state."""
+    return ("/" not in path and path.endswith(".pt")) or path.startswith(f"{HF_FOLDER}/")
+
+
+async def _checkpoint(resolved: ResolvedJob, owner: str, store: Store) -> list[FieldError]:
+    """A model named as a checkpoint (`job_…@step-N`): a job of the caller's, in any state, that committed a
+    checkpoint at step N which a model can be made of. Only trusted manifests count (store/checkpoints.py)."""
+    ref = checkpoint_ref(resolved.spec.model.name_or_path)
+    if ref is None:
+        return []
+    job_id, step = ref
+    try:
+        job = orjson.loads(await reads.job(job_id, owner))
+    except NotFound:
+        return [FieldError(MODEL_FIELD, f"there is no job {job_id!r} of yours to continue from")]
+    spec = job["resolved"]["spec"]
+    if spec.get("lora"):
+        return [FieldError(MODEL_FIELD, f"job {job_id} trains a LoRA adapter: its checkpoints hold the adapter's "
+                                        "training state beside frozen base weights, not a model to continue from; "
+                                        f"continue from the job itself ({job_id!r}) once it has succeeded")]
+    stages = spec["resources"]["pipeline_stages"]
+    if stages > 1:
+        return [FieldError(MODEL_FIELD, f"job {job_id} trains in {stages} pipeline stages: its checkpoints are "
+                                        "split by layer and only resume that job; continue from the job itself "
+                                        f"({job_id!r}) once it has succeeded")]
+    committed = await checkpoints.list_for(store=store, job_id=job_id)
+    found = next((m for m in reversed(committed) if m.step == step), None)
+    if found is None:
+        steps = ", ".join(str(m.step) for m in committed) or "none yet"
+        return [FieldError(MODEL_FIELD, f"job {job_id} has no committed checkpoint at step {step} (committed: "
+                                        f"{steps}; GET /jobs/{job_id}/checkpoints lists them)")]
+    if found.file(HF_CONFIG) is None:
+        return [FieldError(MODEL_FIELD, f"job {job_id}'s checkpoint at step {step} was saved without the model's "
+                                        "config and tokenizer; continue from a checkpoint saved with them or from "
+                                        "the job's export")]
+    resolved.base_model = StoredModel(job_id=job_id, step=step, files=[
+        StoredModelFile(path=f.path, key=f.key, bytes=f.bytes, sha256=f.sha256)
+        for f in found.files if _weights_or_model_files(f.path)])
     return []
 
 

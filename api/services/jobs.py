@@ -14,6 +14,7 @@ import anyio
 import redis
 
 from api.access import Principal
+from api.deps import store_of
 from api.errors import invalid
 from api.services import inputs
 from api.services.estimate import DryRun, estimate, placement
@@ -36,7 +37,7 @@ async def prepare(*, settings: ApiSettings, spec: JobSpec, owner: str) -> tuple[
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
-    errors += await inputs.resolve(resolved, owner)
+    errors += await inputs.resolve(resolved, owner, store_of(settings))
     if errors:
         raise invalid(errors)
     return request, resolved

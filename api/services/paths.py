@@ -8,7 +8,7 @@ from pathlib import Path
 
 from api.settings import ApiSettings
 from contract.problems import FieldError
-from contract.spec import JobSpec, is_file_id, is_job_id
+from contract.spec import JobSpec, checkpoint_ref, is_file_id, is_job_id
 from contract.stages import local_family_problem
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -56,9 +56,10 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
     errors: list[FieldError] = []
     model_root = root_path(settings.model_root)
     name = spec.model.name_or_path
-    local = None if is_job_id(name) else _under(model_root, name)
-    if is_job_id(name):
-        pass  # a succeeded job's export, checked against the caller's jobs (api/services/inputs.py)
+    stored = is_job_id(name) or checkpoint_ref(name) is not None
+    local = None if stored else _under(model_root, name)
+    if stored:
+        pass  # a job's export or checkpoint, checked against the caller's jobs (api/services/inputs.py)
     elif local is not None and _exists(local, directory=True):
         spec.model.name_or_path = str(local)
         stages = spec.resources.pipeline_stages

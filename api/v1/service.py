@@ -22,7 +22,7 @@ from contract.codes import EventKind, FailureCode, JobStatus
 from contract.files import FileStatus
 from contract.openai import EventType, Level, OpenAIStatus
 from contract.protocol import StateField
-from contract.spec import is_file_id, is_job_id
+from contract.spec import checkpoint_name, checkpoint_ref, is_file_id, is_job_id
 from db import files, reads
 from db import finetuning as store
 from db.errors import NotFound
@@ -63,13 +63,32 @@ async def fine_tuned_job(name: str, owner: str | None) -> dict[str, Any]:
     return job
 
 
+async def checkpoint_job(name: str, owner: str | None) -> tuple[str, int]:
+    """(job id, step) of a checkpoint's model name whose job is the caller's and whose name is that job's own;
+    NotFound (field `model`) otherwise. Whether the step is committed, the native submit checks."""
+    found = names.checkpoint_of_model(name)
+    missing = NotFound(f"there is no fine-tuned model checkpoint {name!r} of yours", "model")
+    if found is None:
+        raise missing
+    job_id, step = found
+    try:
+        job = orjson.loads(await reads.job(job_id, owner))
+    except NotFound:
+        raise missing from None
+    if names.checkpoint_model(model_name(job, (await store.lineage([job_id])).get(job_id)), step) != name:
+        raise missing
+    return job_id, step
+
+
 async def native_model(name: str, caller: Principal) -> str:
-    """The native model name of a job's `model`: a fine-tuned model's name is its job's id (continued
-    fine-tuning); any name the native API takes is taken as it is."""
+    """The native model name of a job's `model`: a fine-tuned model's name is its job's id, a checkpoint's model
+    name is its job's checkpoint (`job_…@step-N`) (continued fine-tuning); any name the native API takes is taken
+    as it is."""
     if names.checkpoint_of_model(name) is not None:
-        raise hp.bad_request("model", "continuing from a checkpoint's model is not supported: a checkpoint holds "
-                                      "training state, not an exported model; use the job's fine-tuned model "
-                                      "(fine_tuned_model), which continues from its final weights")
+        try:
+            return checkpoint_name(*await checkpoint_job(name, caller.owner))
+        except NotFound as exc:
+            raise hp.bad_request("model", exc.message) from None
     if name.startswith(names.FT_PREFIX):
         try:
             return str((await fine_tuned_job(name, caller.owner))["id"])
@@ -141,10 +160,12 @@ def view(job: dict[str, Any], lineage: store.Lineage | None, default_lr: float) 
     progress = job["progress"] or {}
     running = status == OpenAIStatus.RUNNING and progress.get("eta_seconds") is not None
     model = job["request"]["model"]["name_or_path"]
-    if lineage is not None and lineage.parent_id is not None and is_job_id(model):
-        # A continued fine-tune shows the model it was given: its parent's fine-tuned model.
-        model = names.fine_tuned_model(base=lineage.base, owner=lineage.parent_owner or job["owner"],
-                                       suffix=lineage.parent_name or "", job_id=lineage.parent_id)
+    ref = checkpoint_ref(model)
+    if lineage is not None and lineage.parent_id is not None and (is_job_id(model) or ref is not None):
+        # A continued fine-tune shows the model it was given: its parent's fine-tuned model, or its checkpoint's.
+        parent = names.fine_tuned_model(base=lineage.base, owner=lineage.parent_owner or job["owner"],
+                                        suffix=lineage.parent_name or "", job_id=lineage.parent_id)
+        model = parent if ref is None else names.checkpoint_model(parent, ref[1])
     succeeded = status == OpenAIStatus.SUCCEEDED
     return {
         "id": job["id"], "object": "fine_tuning.job", "model": model, "created_at": seconds(job["created_at"]),
