@@ -22,7 +22,6 @@ from db.errors import Invalid
 # of continued fine-tunes comes near.
 MAX_CHAIN = 64
 MODEL_OF = "request->'model'->>'name_or_path'"
-PARENT_OF = f"split_part({MODEL_OF}, '@', 1)"
 LINEAGE = f"""
 WITH RECURSIVE chain (start, model, depth) AS (
     SELECT id, {MODEL_OF}, 0 FROM jobs WHERE id = ANY($1::text[])
@@ -33,7 +32,7 @@ WITH RECURSIVE chain (start, model, depth) AS (
     SELECT DISTINCT ON (start) start, model FROM chain ORDER BY start, depth DESC
 )
 SELECT r.start, r.model, p.id, p.name, p.owner
-FROM roots AS r JOIN jobs AS s ON s.id = r.start LEFT JOIN jobs AS p ON p.id = s.{PARENT_OF}"""
+FROM roots AS r JOIN jobs AS s ON s.id = r.start LEFT JOIN jobs AS p ON p.id = split_part(s.{MODEL_OF}, '@', 1)"""
 
 
 @dataclass(frozen=True, slots=True)

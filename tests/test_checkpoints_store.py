@@ -25,6 +25,7 @@ from scripts.stack import ROOT
 from store import checkpoints as stored
 from store import layout
 from store.objects import Store
+from tests.conftest import create_key, job_spec
 from tests.helpers import events_of, wait_for, wait_status
 from tests.s3_support import S3Server
 from tests.trainer_support import corpus, launch, make_job, of, tiny_model, train_file, write_run_spec  # noqa: F401
@@ -156,3 +157,69 @@ def test_checkpoints_are_committed_in_the_store_listed_served_and_resumed_from_i
     sixty = next(c for c in listed if c["step"] == 60)
     assert {f["path"]: f["sha256"] for f in sixty["files"]} == {
         f["path"]: hashlib.sha256((dest / f["path"]).read_bytes()).hexdigest() for f in sixty["files"]}
+    # Each checkpoint carries the model's config and tokenizer beside DeepSpeed's state: a model can be made of it.
+    assert {"hf/config.json", "hf/tokenizer.json"} <= {f["path"] for f in sixty["files"]}
+    continued_from_a_checkpoint(api, stack, stack_env, job_id, manifests)
+
+
+def continued_from_a_checkpoint(api: httpx.Client, stack: Any, stack_env: dict[str, str], job_id: str,
+                                manifests: list[stored.Manifest]) -> None:
+    """A job on `job_…@step-55` trains from the weights the parent had at step 55; a step that is not committed,
+    a misspelt name, another owner's job and a LoRA job's checkpoint are refused, naming the model."""
+    def submit(model: str, client: httpx.Client = api, **more: Any) -> httpx.Response:
+        return client.post("/jobs", json=job_spec(name="from-ckpt", model=model, **more))
+
+    def refusal(answer: httpx.Response) -> str:
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["error"]["field"] == "model.name_or_path", answer.text
+        return str(answer.json()["error"]["message"])
+
+    assert "committed: 50, 55, 60" in refusal(submit(f"{job_id}@step-7"))
+    assert "@step-<step>" in refusal(submit(f"{job_id}@step-x"))
+    other = create_key({**os.environ, **stack_env}, "ckstore-other", "jobs:write")
+    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {other}"}, timeout=30) as client:
+        assert "no job" in refusal(submit(f"{job_id}@step-55", client))
+    lora = api.post("/jobs", json=job_spec(name="lora", lora={"rank": 4}, resources={"queue": "nowhere"})).json()
+    assert api.post(f"/jobs/{lora['id']}/cancel").status_code == 202
+    assert "LoRA" in refusal(submit(f"{lora['id']}@step-8"))
+
+    child = submit(f"{job_id}@step-55", hyperparameters={"max_steps": 2}, checkpointing={"every_steps": None},
+                   data={"validation": None})
+    assert child.status_code == 201, child.text
+    base = child.json()["resolved"]["base_model"]
+    assert (base["job_id"], base["step"]) == (job_id, 55)
+    assert {f["path"] for f in base["files"]} >= {"hf/config.json", "mp_rank_00_model_states.pt"}
+    assert not [f for f in base["files"] if f["path"].startswith("rng-")]
+    final = wait_status(api, child.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=300)
+    assert final["status"] == "succeeded", final["error"]
+    first = next(e["loss"] for e in events_of(api, final["id"], ["progress"]) if e.get("loss") is not None)
+    parent_first = next(e["loss"] for e in events_of(api, job_id, ["progress"]) if e.get("loss") is not None)
+    at_55 = next(m for m in manifests if m.step == 55).trainer_state["last_loss"]
+    # Where the parent stood at step 55 (another batch, so not the same figure), far below a fresh model's start.
+    assert first == pytest.approx(at_55, rel=0.2) and first < parent_first - 1.0, (first, at_55, parent_first)
+
+
+def test_a_checkpoint_of_tied_weights_makes_a_model_folder_that_loads_them_tied(tmp_path: Path) -> None:
+    """The stage-0 layout (the module's state dict whole in one file, both names of a tied weight on one tensor),
+    written by torch as DeepSpeed writes it: the folder keeps one name and `from_pretrained` ties them again."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from worker import from_checkpoint
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tag = tmp_path / "step-00000003"
+    config.save_pretrained(tag / stored.HF_FOLDER)
+    assert from_checkpoint.main([str(tag), str(tmp_path / "none")]) == 2  # no model states: refused, not a crash
+    torch.save({"module": model.state_dict(), "ds_config": {"bf16": {"enabled": True}}},
+               tag / "mp_rank_00_model_states.pt")
+    files = from_checkpoint.convert(tag, tmp_path / "out")
+    assert files == ["config.json", "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight.bfloat16())
+    assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight.bfloat16())

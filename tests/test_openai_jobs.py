@@ -215,11 +215,30 @@ def test_a_bad_create_is_a_bad_request_naming_its_param(owner: Owner, files: dic
     assert param_of(caught.value) == param, caught.value.body
 
 
-def test_a_checkpoints_model_and_another_owners_file_are_refused(owner: Owner, stranger: Owner, first: Any,
-                                                                 files: dict[str, str]) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        owner.sdk.fine_tuning.jobs.create(model=f"{first.fine_tuned_model}:ckpt-step-2", training_file=files["train"])
-    assert param_of(caught.value) == "model" and "checkpoint" in str(caught.value.message)
+def test_a_job_on_a_checkpoints_model_continues_from_that_checkpoint(owner: Owner, stranger: Owner,
+                                                                     files: dict[str, str], first: Any) -> None:
+    """Mapped onto the native `job_…@step-N` and resolved against the store's manifest (tests/
+    test_checkpoints_store.py trains one to the end); this job is cancelled at once."""
+    ckpt = list(owner.sdk.fine_tuning.jobs.checkpoints.list(first.id))[-1]
+    job = owner.sdk.fine_tuning.jobs.create(model=ckpt.fine_tuned_model_checkpoint, training_file=files["train"],
+                                            suffix="from-ckpt")
+    owner.sdk.fine_tuning.jobs.cancel(job.id)
+    assert job.model == ckpt.fine_tuned_model_checkpoint
+    native = owner.http.get(f"/jobs/{job.id}").json()
+    assert native["request"]["model"]["name_or_path"] == f"{first.id}@step-{ckpt.step_number}"
+    base = native["resolved"]["base_model"]
+    assert (base["job_id"], base["step"]) == (first.id, ckpt.step_number)
+    assert owner.sdk.fine_tuning.jobs.retrieve(job.id).model == ckpt.fine_tuned_model_checkpoint
+    for model, client in ((f"{first.fine_tuned_model}:ckpt-step-9999", owner),
+                          (ckpt.fine_tuned_model_checkpoint.replace(":first:", ":other:"), owner),
+                          (ckpt.fine_tuned_model_checkpoint, stranger)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.sdk.fine_tuning.jobs.create(model=model, training_file=files["train"])
+        assert param_of(caught.value) == "model", caught.value.body
+
+
+def test_another_owners_file_and_model_are_refused(owner: Owner, stranger: Owner, first: Any,
+                                                    files: dict[str, str]) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         stranger.sdk.fine_tuning.jobs.create(model=BASE, training_file=files["train"])
     assert param_of(caught.value) == "training_file"
