@@ -196,7 +196,7 @@ def continued_from_a_checkpoint(api: httpx.Client, stack: Any, stack_env: dict[s
     parent_first = next(e["loss"] for e in events_of(api, job_id, ["progress"]) if e.get("loss") is not None)
     at_55 = next(m for m in manifests if m.step == 55).trainer_state["last_loss"]
     # Where the parent stood at step 55 (another batch, so not the same figure), far below a fresh model's start.
-    assert first == pytest.approx(at_55, rel=0.2) and first < parent_first - 1.0, (first, at_55, parent_first)
+    assert first == pytest.approx(at_55, rel=0.2) and first < parent_first - 0.8, (first, at_55, parent_first)
 
 
 def test_a_checkpoint_of_tied_weights_makes_a_model_folder_that_loads_them_tied(tmp_path: Path) -> None:
