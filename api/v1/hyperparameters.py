@@ -14,15 +14,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    StrictInt,
     ValidationError,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from api.errors import ApiError, ErrorCode, invalid
 from contract.problems import FieldError
-from contract.spec import MAX_SEED, Hyperparameters, JobSpec
+from contract.spec import MAX_SEED, Hyperparameters, JobSpec, refuse_lax_integers
 
 AUTO = "auto"
 # OpenAI's own bounds: a value past them is refused there too.
@@ -56,6 +56,8 @@ def _auto_or(low: float, high: float, *, integer: bool) -> Any:
     def check(value: Any) -> Any:
         if value == AUTO:
             return value
+        if integer and isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON has one number type: 3.0 is the integer 3, as the schema's `integer` says
         number = isinstance(value, int) if integer else isinstance(value, (int, float))
         if isinstance(value, bool) or not number or not (low < value <= high if not integer else low <= value <= high):
             bound = f"from {low} to {high}" if integer else f"more than {low} and at most {high}"
@@ -91,11 +93,16 @@ class FineTuningJobCreate(_Strict):
     validation_file: str | None = Field(default=None, min_length=1, max_length=4096)
     suffix: str | None = Field(default=None, pattern=SUFFIX_PATTERN, description=(
         "Up to 64 letters, digits, '.', '_' or '-', starting with a letter or digit: part of the model's name"))
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = None
     hyperparameters: OpenAIHyperparameters | None = None
     method: Method | None = None
     integrations: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers_only(cls, data: Any) -> Any:
+        return refuse_lax_integers(cls, data)
 
     @field_validator("metadata")
     @classmethod
