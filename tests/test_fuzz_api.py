@@ -219,13 +219,14 @@ def settle(case: schemathesis.Case, ended: list[str], key_id: str, file_id: str)
 
 # What Postgres cannot store, in any string (a NUL, a lone surrogate), and the size, depth and key limits of the
 # free-form JSON (metadata, deepspeed.config): the field descriptions say so, the schema's keywords cannot.
-V1_STORED = ("training_file", "validation_file", "model")
+V1_STORED = ("training_file", "validation_file", "model", "hyperparameters")
 UNSTATABLE = ("NUL character", "surrogate", "bytes of JSON", "levels deep", "keys per object", "has an object with")
 
 
 def beyond_the_schema(case: schemathesis.Case, response: requests.Response) -> bool:
     """A 422 for a rule no JSON Schema keyword states: cross-field rules of a job, and the storage rules; under
-    /v1 (where a refusal is OpenAI's 400) whether the files and model a job names are stored rows of the caller's."""
+    /v1 (where a refusal is OpenAI's 400) whether the files and model a job names are stored rows of the caller's,
+    and hyperparameters given twice (at the top and under method)."""
     if response.status_code == 400 and case.operation.path.startswith("/v1/"):
         return response.json()["error"].get("param") in V1_STORED
     if response.status_code != 422:

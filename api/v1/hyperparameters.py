@@ -80,7 +80,10 @@ class Supervised(_Strict):
 
 
 class Method(_Strict):
-    type: MethodType
+    # The schema states what is accepted; another of OpenAI's methods is refused by name, with why.
+    type: Annotated[MethodType, WithJsonSchema({
+        "type": "string", "enum": [MethodType.SUPERVISED.value],
+        "description": "supervised; dpo and reinforcement are refused, naming method.type"})]
     supervised: Supervised | None = None
     # Named so their refusal names `method.type`, not an unknown field.
     dpo: dict[str, Any] | None = None
@@ -94,10 +97,14 @@ class FineTuningJobCreate(_Strict):
     suffix: str | None = Field(default=None, pattern=SUFFIX_PATTERN, description=(
         "Up to 64 letters, digits, '.', '_' or '-', starting with a letter or digit: part of the model's name"))
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = Field(
+        default=None, json_schema_extra={"maxProperties": MAX_METADATA_PAIRS,
+                                         "propertyNames": {"maxLength": MAX_METADATA_KEY}})
     hyperparameters: OpenAIHyperparameters | None = None
     method: Method | None = None
-    integrations: list[dict[str, Any]] | None = None
+    integrations: Annotated[list[dict[str, Any]] | None, WithJsonSchema({
+        "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+        "description": "None supported: null or []; a listed integration is refused, naming integrations"})] = None
 
     @model_validator(mode="before")
     @classmethod
