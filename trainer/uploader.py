@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -135,7 +134,6 @@ class Uploads:
 
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self, pending: Pending) -> None:
-        _yield_cpu()
         try:
             self._upload(pending)
             if self.rank == 0:
@@ -244,16 +242,6 @@ def _staged_at(job_id: str, key: str) -> tuple[int, int] | None:
         return int(parts[0].removeprefix(".attempt-")), int(parts[1].removeprefix("step-"))
     except ValueError:
         return None
-
-
-def _yield_cpu() -> None:
-    """The uploading thread at the lowest priority: where training leaves no core idle (CPU ranks), the upload
-    takes what training does not use rather than stretching its steps; a GPU node's idle cores run it at once.
-    On Linux a thread's nice value is its own (PRIO_PROCESS with the thread's id) and the threads it starts inherit
-    it: the store client's runtime threads start from the first upload, as nothing else in a rank uses the store.
-    Elsewhere this does nothing."""
-    with suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _listing(folder: Path) -> list[str]:
