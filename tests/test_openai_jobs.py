@@ -44,11 +44,7 @@ class Owner:
         self.http = httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
 
     def upload(self, content: bytes, name: str = "train.jsonl") -> str:
-        # Through the native POST /files until /v1/files is in this branch; then client.files.create(...).
-        r = self.http.post("/files", data={"purpose": "fine-tune"},
-                           files={"file": (name, content, "application/octet-stream")})
-        assert r.status_code == 201, r.text
-        return str(r.json()["id"])
+        return self.sdk.files.create(file=(name, content), purpose="fine-tune").id
 
     def close(self) -> None:
         self.sdk.close()
