@@ -58,9 +58,20 @@ seen.errors = {
     model: process.env.FT_BASE_MODEL, training_file: file.id, hyperparameters: { n_epochs: 0 } })),
   dpo: await errorOf(() => client.fineTuning.jobs.create({
     model: process.env.FT_BASE_MODEL, training_file: file.id, method: { type: "dpo" } })),
-  cancel_ended: await errorOf(() => client.fineTuning.jobs.cancel(created[0])),
   wrong_key: await errorOf(() => new OpenAI({ baseURL: process.env.OPENAI_BASE_URL, apiKey: "ftk_wrong",
                                               maxRetries: 0 }).models.list()),
 };
-await client.files.delete(file.id).then((d) => { seen.deleted = d.deleted; });
+// A cancelled job that a worker had started lets go of its file once its processes have stopped: until then the
+// delete is a 409 (ConflictError), which a client waits out.
+for (let i = 0; i < 240 && seen.deleted === undefined; i++) {
+  try {
+    seen.deleted = (await client.files.delete(file.id)).deleted;
+  } catch (err) {
+    if (!(err instanceof OpenAI.ConflictError)) throw err;
+    seen.delete_conflicts = (seen.delete_conflicts ?? 0) + 1;
+    await new Promise((r) => setTimeout(r, 500));
+  }
+}
+// Every job on the file has ended now (the delete went through): cancelling one again is a conflict.
+seen.errors.cancel_ended = await errorOf(() => client.fineTuning.jobs.cancel(created[0]));
 console.log(JSON.stringify(seen));
