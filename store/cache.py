@@ -12,11 +12,10 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from store.locks import locked
 from store.objects import Store
 
 
@@ -34,21 +33,12 @@ class NodeCache:
     def path(self, sha256: str) -> Path:
         return self.entries / sha256
 
-    @contextmanager
-    def _locked(self, sha256: str) -> Iterator[None]:
-        with (self.entries / f".{sha256}.lock").open("a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
     def hold(self, store: Store, key: str, sha256: str, size: int) -> tuple[Path, IO[bytes]]:
         """The local copy of `key` and an open handle that holds it (keep it open while the copy is read; closing
         it lets the copy be evicted). Downloads it where it is not here; raises ValueError where the downloaded
         bytes are not `sha256`, CacheFull where it cannot fit."""
         path = self.path(sha256)
-        with self._locked(sha256):
+        with locked(self.entries / f".{sha256}.lock"):
             if not path.is_file():
                 self._make_room(size)
                 store.download(key, path, sha256=sha256)

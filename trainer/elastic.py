@@ -22,15 +22,12 @@ global batch differs from this attempt's is refused rather than resumed at a shi
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +37,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from contract.codes import EventKind, FailureCode
 from contract.deepspeed.policy import CHECKPOINT
+from store.locks import locked
 from trainer.errors import TrainerError
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -167,7 +165,7 @@ def universal_copy(checkpoint_dir: Path, tag_dir: Path, fence: Fence) -> tuple[P
     unless an earlier attempt, or another node sharing the folder, made it. Returns (its folder, whether it was
     converted by this call)."""
     target = checkpoint_dir / UNIVERSAL_DIR / tag_dir.name
-    with _locked(checkpoint_dir / LOCK_FILE):
+    with locked(checkpoint_dir / LOCK_FILE):
         if (target / COMMITTED).is_file():
             return target, False
         staged = fence.staging(checkpoint_dir, "universal") / tag_dir.name
@@ -182,17 +180,6 @@ def universal_copy(checkpoint_dir: Path, tag_dir: Path, fence: Fence) -> tuple[P
         (target / COMMITTED).write_text(json.dumps({"source": tag_dir.name, "attempt": fence.attempt}))
         shutil.rmtree(staged.parent, ignore_errors=True)  # the converter's `latest_universal` file is what is left
     return target, True
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def prune(checkpoint_dir: Path, keep: Path) -> None:

@@ -11,16 +11,15 @@ says why, and the broken manifest is deleted so that nobody lists or tries it ag
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from store import checkpoints as stored
+from store.locks import locked
 from store.objects import Store
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ def restore(store: Store, job_id: str, checkpoint_dir: Path, node_rank: int, say
             {"key": key, "reason": why})
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     # Two nodes of a job that share this folder (one host) restore one after the other: the second finds it done.
-    with _locked(checkpoint_dir / LOCK_FILE):
+    with locked(checkpoint_dir / LOCK_FILE):
         chosen = None
         for manifest in manifests:
             try:
@@ -118,13 +117,3 @@ def _local_matches(tag_dir: Path, manifest: stored.Manifest) -> bool:
 
 def _local_tags(checkpoint_dir: Path) -> list[Path]:
     return sorted(p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith("step-"))
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
