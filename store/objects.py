@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,10 +231,20 @@ class Store:
         except FileNotFoundError:
             pass
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """One request per 1,000 keys where the store takes a batch (S3's DeleteObjects); the folder store deletes
+        them one by one."""
+        if not keys:
+            return
+        try:
+            obstore.delete(self._store, list(keys))
+        except FileNotFoundError:  # the folder store's batch stops at a missing file: the rest one by one
+            for key in keys:
+                self.delete(key)
+
     def delete_prefix(self, prefix: str) -> int:
         keys = [item.key for item in self.list(prefix)]
-        for key in keys:
-            self.delete(key)
+        self.delete_many(keys)
         return len(keys)
 
 

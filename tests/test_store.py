@@ -76,6 +76,18 @@ def test_a_download_whose_bytes_differ_from_the_recorded_sha256_leaves_nothing(s
     assert store.delete_prefix("files/") == 1 and store.list("") == []
 
 
+def test_a_batch_delete_removes_every_key_named_and_takes_missing_ones_as_gone(store: Store) -> None:
+    for i in range(5):
+        store.put_bytes(f"jobs/j/checkpoints/k{i}", b"x")
+    store.put_bytes("jobs/j/keep", b"y")
+    store.delete_many(["jobs/j/checkpoints/k0", "jobs/j/checkpoints/missing", "jobs/j/checkpoints/k3"])
+    assert sorted(i.key for i in store.list("jobs/")) == [
+        "jobs/j/checkpoints/k1", "jobs/j/checkpoints/k2", "jobs/j/checkpoints/k4", "jobs/j/keep"]
+    assert store.delete_prefix("jobs/j/checkpoints/") == 3
+    assert [i.key for i in store.list("jobs/")] == ["jobs/j/keep"]
+    store.delete_many([])
+
+
 def _put(store: Store, key: str, data: bytes) -> str:
     return store.put_bytes(key, data).sha256
 

@@ -2,8 +2,8 @@
 
 After a local save (every rank wrote its files; barrier) the first process of each node uploads the files its
 node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` in a thread of its own, so the next
-training step does not wait, then writes its part list `…/parts/node-R.json`. Rank 0's thread waits for every
-node's part list, checks the job's fence in the store (an attempt that was superseded commits nothing), writes
+training step does not wait; every node but the first then writes its part list `…/parts/node-R.json`. Rank 0's
+thread (node 0's uploader) waits for the other nodes' part lists, checks the job's fence in the store (an attempt that was superseded commits nothing), writes
 the manifest `jobs/<job id>/checkpoints/step-K.json` and only then emits the `checkpoint` event. A failing store
 delays the commit (retried with backoff until the job ends) and never fails a step; at most one checkpoint
 is in flight, so the next save first waits for the previous upload.
@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -135,9 +135,9 @@ class Uploads:
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self, pending: Pending) -> None:
         try:
-            self._upload(pending)
+            files = self._upload(pending)
             if self.rank == 0:
-                self._commit(pending)
+                self._commit(pending, files)
         except _Stopped:
             pass
         except fence.Superseded as exc:
@@ -163,7 +163,7 @@ class Uploads:
                     _say(f"store: {what} failed ({error_line(exc)}); retrying")
                 stored.sleep_backoff(tries, self._stop)
 
-    def _upload(self, p: Pending) -> None:
+    def _upload(self, p: Pending) -> list[stored.ManifestFile]:
         prefix = layout.checkpoint_staging_prefix(self.job_id, self.attempt, p.tag)
         files = []
         for rel in p.files:
@@ -171,29 +171,21 @@ class Uploads:
                 # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
                 raise FileNotFoundError(f"{p.source / rel} is gone before it was uploaded")
             done = self._retry(f"uploading {rel}", lambda rel=rel: self.store.put_file(prefix + rel, p.source / rel))
-            files.append({"path": rel, "key": done.key, "bytes": done.bytes, "sha256": done.sha256})
-        part = json.dumps({"node_rank": self.node_rank, "files": files}).encode()
+            files.append(stored.ManifestFile(rel, done.key, done.bytes, done.sha256))
+        if self.node_rank == 0:
+            return files  # this thread is rank 0's, which commits: its own list needs no trip through the store
+        part = json.dumps({"node_rank": self.node_rank, "files": [asdict(f) for f in files]}).encode()
         key = layout.checkpoint_part_key(self.job_id, self.attempt, p.tag, self.node_rank)
         self._retry("writing the part list", lambda: self.store.put_bytes(key, part))
-        if self.node_rank != 0 and p.files:
+        if p.files:
             # A host of its own: the store holds this node's files now, and only node 0's disk commits locally.
             shutil.rmtree(p.source, ignore_errors=True)
+        return files
 
-    def _commit(self, p: Pending) -> None:
-        parts_prefix = layout.checkpoint_part_key(self.job_id, self.attempt, p.tag, 0).rsplit("/", 1)[0] + "/"
-        tries = 0
-        while True:
-            listed = self._retry("listing the part lists", lambda: self.store.list(parts_prefix))
-            if len(listed) >= self.num_nodes:
-                break
-            tries += 1
-            stored.sleep_backoff(min(tries, 3), self._stop)  # another node still uploading: poll every few s
-            if self._stop.is_set():
-                raise _Stopped
-        files: list[stored.ManifestFile] = []
-        for item in sorted(listed, key=lambda i: i.key):
-            body = json.loads(self._retry("reading a part list", lambda k=item.key: self.store.get_bytes(k)))
-            files += [stored.ManifestFile(f["path"], f["key"], int(f["bytes"]), f["sha256"]) for f in body["files"]]
+    def _commit(self, p: Pending, own: list[stored.ManifestFile]) -> None:
+        files = list(own)
+        if self.num_nodes > 1:
+            files += self._other_nodes_files(p)
         self._retry("reading the fence",
                     lambda: fence.check_store(self.store, self.job_id, self.attempt, f"checkpoint {p.tag}"))
         key = layout.checkpoint_manifest_key(self.job_id, p.tag, self.attempt)
@@ -207,6 +199,24 @@ class Uploads:
         emit(EventKind.CHECKPOINT, step=p.step, path=p.local_tag_dir, committed=True, key=key,
              bytes=manifest.bytes, files=len(files), removed=[str(parent / m.tag) for m in removed])
 
+    def _other_nodes_files(self, p: Pending) -> list[stored.ManifestFile]:
+        """Waits for the part list of every node but this one, then reads them."""
+        parts_prefix = layout.checkpoint_part_key(self.job_id, self.attempt, p.tag, 0).rsplit("/", 1)[0] + "/"
+        tries = 0
+        while True:
+            listed = self._retry("listing the part lists", lambda: self.store.list(parts_prefix))
+            if len(listed) >= self.num_nodes - 1:
+                break
+            tries += 1
+            stored.sleep_backoff(min(tries, 3), self._stop)  # another node still uploading: poll every few s
+            if self._stop.is_set():
+                raise _Stopped
+        files: list[stored.ManifestFile] = []
+        for item in sorted(listed, key=lambda i: i.key):
+            body = json.loads(self._retry("reading a part list", lambda k=item.key: self.store.get_bytes(k)))
+            files += [stored.ManifestFile(f["path"], f["key"], int(f["bytes"]), f["sha256"]) for f in body["files"]]
+        return files
+
     def _prune(self, newest: stored.Manifest, keep_last: int) -> list[stored.Manifest]:
         """Keep the `keep_last` newest manifests and the objects they name; delete the rest: older manifests
         (first, so none is left naming deleted objects), then objects no kept manifest names, of this attempt
@@ -215,16 +225,17 @@ class Uploads:
         kept, old = manifests[:keep_last], manifests[keep_last:]
         if newest.key not in {m.key for m in kept}:
             return []  # a newer attempt committed meanwhile: its own commit prunes
-        for m in old:
-            self.store.delete(m.key)
+        self.store.delete_many([m.key for m in old])
         named = {f.key for m in kept for f in m.files}
+        doomed = []
         for item in self.store.list(layout.checkpoints_prefix(self.job_id)):
             where = _staged_at(self.job_id, item.key)
             if where is None or item.key in named:
                 continue
             attempt, step = where
             if attempt <= self.attempt and step < newest.step:
-                self.store.delete(item.key)
+                doomed.append(item.key)
+        self.store.delete_many(doomed)
         return old
 
 
