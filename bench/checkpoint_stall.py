@@ -2,38 +2,38 @@
 training, against the local save alone and against a save that waits for its upload (a synchronous save).
 
 `python -m bench.checkpoint_stall [--shape demo|llama1b] [--store s3|file] [--steps 40] [--every 10]` runs the
-real trainer under the DeepSpeed launcher four times on the same job, each in a fresh folder:
+real trainer under the DeepSpeed launcher on the same job once per mode, each in a fresh folder:
 
-- `none`: no checkpoint at all: the training time every other mode is compared with;
+- `none`: no checkpoint at all;
 - `local`: no store; the save is DeepSpeed's save on the node's disk (what every mode does first);
 - `beside`: the store set; each node's first process uploads the checkpoint in a thread while training goes on;
 - `sync`: the same, but the save returns only once the upload is committed (trainer/checkpoint.py's measuring seam).
 
 `--shape demo` is `make demo`'s job (the tiny Llama, two CPU processes); `llama1b` is the Llama-3.2-1B shape of
 bench/run_trainer.py (ZeRO-2, bf16, one GPU). The store is a moto S3 server this script starts (`s3`) or a folder
-(`file`). The trainer reports progress every step for the first ten, then about once a second, so a stall is
-measured on the whole loop rather than on single steps. One JSON line per mode, then one for the comparison:
+(`file`).
 
-- `loop_s`: the median over `--repeats` rounds (every mode in turn each round) of the time from the `started`
-  event to the progress event of the last step (model load excluded; the save after the last step, which every
-  mode makes, excluded);
-- `saves`: the saves inside that window (steps `every`, 2×`every`, … below `--steps`);
-- `stall_s`: (`loop_s` − `none`'s `loop_s`) / `saves`: what one save adds to training;
-- `step_s`: `none`'s `loop_s` / `--steps`;
-- `beyond_local_pct_of_step`: (`beside`'s stall − `local`'s stall) / `step_s` × 100 (target ≤ 10);
-- `upload_mb_s`: a checkpoint's bytes (10^6 per MB) over (`sync`'s stall − `local`'s stall): the upload and commit
-  alone, as the sync mode waits for them.
+Each run is measured against itself, so neither a slow minute of the machine between runs nor a local save that
+takes longer in one run than in another (a 17 GB write meeting the page cache) moves the figure. From the run's
+events (the trainer reports progress every step for the first ten, then about once a second; the `checkpoint`
+event says how long the save's own parts took):
 
-Beside these, each run is measured against itself, which no slow minute of the machine between runs can move:
+- `step_s`: the median time of one step between step `--skip` (the first steps compile and warm the allocator)
+  and the first save;
+- `stall_s`: (the time from step `--skip` to step `--steps` − those steps × `step_s`) / `saves`: what one save,
+  and whatever runs beside the steps after it, adds to training; `saves` are the saves inside that window (steps
+  `every`, 2×`every`, … below `--steps`; the save after the last step is outside it);
+- `save_s`: the local save itself (DeepSpeed's save, the local commit), as the trainer timed it, per save;
+- `waited_s`: the time a save waited for the previous checkpoint's upload, per save (part of the stall);
+- `beyond_local_s` = `stall_s` − `save_s`, and `beyond_local_pct_of_step` = `beyond_local_s` / `step_s` × 100:
+  the issue's figure for `beside` (target ≤ 10); for `local` it is the method's own residual (about 0); for
+  `sync` it is the upload and commit, which the synchronous save waits for;
+- `upload_s`: how long the upload and commit took (in a thread for `beside`);
+- `loop_s`: the time from the `started` event to the last step's progress, for comparing runs with each other.
 
-- `in_run_step_s`: the median time of one step before the first save, from the progress events after `--skip`
-  steps (the first steps compile and warm the allocator);
-- `in_run_stall_s`: (the time from step `--skip` to the last step − those steps × `in_run_step_s`) / `saves`: what
-  one save, and whatever runs beside the steps after it, adds to that run;
-- `in_run_beyond_local_pct_of_step`: (`beside`'s − `local`'s in-run stall) / `local`'s step × 100.
-
-Each run prints its own line as it ends (`"figure": "checkpoint stall run"`), so a cut-off run keeps what it
-measured. A run's folder and its objects in a folder store are removed once measured: a 1B checkpoint is ~17 GB.
+With `--repeats`, rounds of every mode in turn; the summary line gives medians. Each run prints its own line as it
+ends (`"figure": "checkpoint stall run"`), so a cut-off run keeps what it measured. A run's folder and its
+objects in a folder store are removed once measured: a 1B checkpoint is ~17 GB.
 """
 
 from __future__ import annotations
@@ -124,18 +124,31 @@ def loop_seconds(events: list[dict[str, Any]], steps: int) -> float:
     return last - started
 
 
-def in_run(events: list[dict[str, Any]], steps: int, skip: int, first_save: int | None,
-           saves: int) -> dict[str, float | None]:
-    """The run against itself: its step time before the first save, and what each save added after it."""
+def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | None) -> dict[str, Any]:
+    """The run against itself: its step time before the first save, and what each save in the window added."""
     ts = {e["step"]: e["ts"] for e in events if e.get("event") == EventKind.PROGRESS}
+    saves = len(range(every, steps, every)) if every else 0
     # Progress comes every step for the first ten, then about once a second: an interval may hold several steps.
     seen = sorted(s for s in ts if s >= skip)
-    before = [(b - a, ts[b] - ts[a]) for a, b in itertools.pairwise(seen) if first_save is None or b <= first_save]
+    before = [(b - a, ts[b] - ts[a]) for a, b in itertools.pairwise(seen) if not every or b <= every]
     if not before or skip not in ts or steps not in ts:
-        return {"in_run_step_s": None, "in_run_stall_s": None}
+        raise SystemExit(f"no progress events at steps {skip} and {steps} with a step between them")
     step = statistics.median(dt / n for n, dt in before)
-    extra = (ts[steps] - ts[skip]) - (steps - skip) * step
-    return {"in_run_step_s": round(step, 4), "in_run_stall_s": round(extra / saves, 3) if saves else None}
+    row: dict[str, Any] = {"saves": saves, "step_s": round(step, 4), "loop_s": round(loop_seconds(events, steps), 3)}
+    if not saves:
+        return row
+    marks = [e for e in events if e.get("event") == EventKind.CHECKPOINT and e["step"] < steps]
+    if len(marks) != saves:
+        raise SystemExit(f"{len(marks)} checkpoint events in the window, where {saves} saves were made")
+    stall = ((ts[steps] - ts[skip]) - (steps - skip) * step) / saves
+    save = statistics.mean(e["save_s"] for e in marks)
+    row.update(stall_s=round(stall, 3), save_s=round(save, 3),
+               waited_s=round(statistics.mean(e["waited_s"] for e in marks), 3),
+               beyond_local_s=round(stall - save, 3),
+               beyond_local_pct_of_step=round(100 * (stall - save) / step, 1))
+    if "upload_s" in marks[0]:
+        row["upload_s"] = round(statistics.median(e["upload_s"] for e in marks), 3)
+    return row
 
 
 def checkpoint_bytes(folder: Path) -> int | None:
@@ -153,9 +166,11 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=5, help="steps before the in-run step time is measured")
     p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     p.add_argument("--work", default=None)
+    p.add_argument("--store-root", default=None, help="the folder store's folder (default: under --work)")
     a = p.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="ft-ckpt-stall-"))
     work.mkdir(parents=True, exist_ok=True)
+    store_root = Path(a.store_root) if a.store_root else work / "store"
     server = None
     try:
         if a.shape == "demo":
@@ -169,14 +184,9 @@ def main() -> None:
             server = S3Server(work)
             store = {"url": f"s3://{server.bucket()}/bench", "endpoint": server.endpoint}
         else:
-            store = {"url": f"file://{work / 'store'}", "endpoint": None}
-        saves = len(range(a.every, a.steps, a.every))
-        first_save = a.every if saves else None
+            store = {"url": f"file://{store_root}", "endpoint": None}
         modes = [m for m in MODES if m in a.modes.split(",")]
-        loops: dict[str, list[float]] = {mode: [] for mode in modes}
-        stalls: dict[str, list[float]] = {mode: [] for mode in modes}
-        steps_s: dict[str, list[float]] = {mode: [] for mode in modes}
-        size: dict[str, int | None] = {}
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         for _ in range(a.repeats):  # rounds of every mode in turn, so a slow minute of the machine hits all alike
             for mode in modes:
                 spec = base
@@ -184,52 +194,22 @@ def main() -> None:
                     spec = base.model_copy(deep=True)
                     spec.job.spec.checkpointing.every_steps = None
                 events = run_mode(mode, spec, work, store, gpus)
-                loops[mode].append(loop_seconds(events, a.steps))
-                size[mode] = checkpoint_bytes(work / mode / "checkpoints")
-                own = in_run(events, a.steps, a.skip, first_save, 0 if mode == "none" else saves)
-                if own["in_run_step_s"] is not None:
-                    steps_s[mode].append(own["in_run_step_s"])
-                if own["in_run_stall_s"] is not None:
-                    stalls[mode].append(own["in_run_stall_s"])
+                row = in_run(events, a.steps, a.skip, None if mode == "none" else a.every)
+                row["checkpoint_bytes"] = checkpoint_bytes(work / mode / "checkpoints")
+                runs[mode].append(row)
                 print(json.dumps({"figure": "checkpoint stall run", "shape": a.shape, "store": a.store, "mode": mode,
-                                  "loop_s": round(loops[mode][-1], 3), **own, "checkpoint_bytes": size[mode]}),
-                      flush=True)
+                                  **row}), flush=True)
                 shutil.rmtree(work / mode, ignore_errors=True)
                 if a.store == "file":
-                    shutil.rmtree(work / "store", ignore_errors=True)
-        rows: dict[str, dict[str, Any]] = {}
+                    shutil.rmtree(store_root, ignore_errors=True)
+        summary: dict[str, Any] = {"figure": "checkpoint stall", "shape": a.shape, "store": a.store,
+                                   "repeats": a.repeats, "target_beside_pct": "<= 10"}
         for mode in modes:
-            loop = statistics.median(loops[mode])
-            rows[mode] = {"loop_s": round(loop, 3), "loop_s_runs": [round(x, 3) for x in loops[mode]],
-                          "saves": 0 if mode == "none" else saves, "checkpoint_bytes": size[mode],
-                          "in_run_step_s": round(statistics.median(steps_s[mode]), 4) if steps_s[mode] else None,
-                          "in_run_stall_s": round(statistics.median(stalls[mode]), 3) if stalls[mode] else None}
-            if mode != "none" and "none" in rows:
-                rows[mode]["stall_s"] = round((loop - rows["none"]["loop_s"]) / saves, 3)
-            print(json.dumps({"figure": "checkpoint stall", "shape": a.shape, "store": a.store, "mode": mode,
-                              **rows[mode]}), flush=True)
-        summary: dict[str, Any] = {"figure": "checkpoint beside training", "shape": a.shape, "store": a.store,
-                                   "target_pct": "<= 10"}
-        if {"local", "beside"} <= rows.keys() and rows["local"]["in_run_step_s"]:
-            local, beside = rows["local"], rows["beside"]
-            summary["in_run_step_s"] = local["in_run_step_s"]
-            summary["in_run_beyond_local_pct_of_step"] = round(
-                100 * (beside["in_run_stall_s"] - local["in_run_stall_s"]) / local["in_run_step_s"], 1)
-            if "sync" in rows:
-                upload = rows["sync"]["in_run_stall_s"] - local["in_run_stall_s"]
-                summary["in_run_sync_beyond_local_pct_of_step"] = round(100 * upload / local["in_run_step_s"], 1)
-                if upload > 0 and rows["sync"]["checkpoint_bytes"]:
-                    summary["in_run_upload_mb_s"] = round(rows["sync"]["checkpoint_bytes"] / upload / 1e6, 1)
-        if {"none", "local", "beside"} <= rows.keys():
-            step = rows["none"]["loop_s"] / a.steps
-            local, beside = rows["local"], rows["beside"]
-            summary["step_s"] = round(step, 4)
-            summary["beyond_local_pct_of_step"] = round(100 * (beside["stall_s"] - local["stall_s"]) / step, 1)
-            if "sync" in rows:
-                upload_s = rows["sync"]["stall_s"] - local["stall_s"]
-                summary["sync_beyond_local_pct_of_step"] = round(100 * upload_s / step, 1)
-                summary["upload_mb_s"] = (round(rows["sync"]["checkpoint_bytes"] / upload_s / 1e6, 1)
-                                          if upload_s > 0 else None)
+            summary[mode] = {key: round(statistics.median(r[key] for r in runs[mode]), 4)
+                             for key in runs[mode][0] if isinstance(runs[mode][0][key], (int, float))}
+        sync = summary.get("sync", {})
+        if sync.get("beyond_local_s", 0) > 0 and sync.get("checkpoint_bytes"):
+            summary["sync_upload_mb_s"] = round(sync["checkpoint_bytes"] / sync["beyond_local_s"] / 1e6, 1)
         print(json.dumps(summary), flush=True)
     finally:
         if server is not None:

@@ -117,8 +117,10 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     tag = tag_for(state.step)
     staged = fence.staging(checkpoint_dir) / tag
     tag_dir = checkpoint_dir / tag
+    started = time.monotonic()
     if uploads is not None:
         uploads.wait_previous()
+    waited = time.monotonic() - started
     if rank == 0 and staged.exists():
         shutil.rmtree(staged)  # never mix the shards of two saves
     _barrier()
@@ -145,17 +147,19 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
         for old in tags[: max(0, len(tags) - keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
             removed.append(str(old))
-    if uploads is None:
-        emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed)
     # Nobody may start the next save (or exit) before the commit and pruning are done.
     _barrier()
     if _local_rank() == 0:
         # Every node converted its own universal copy for this attempt's resume (trainer/elastic.py).
         elastic.prune(checkpoint_dir, keep=tag_dir)
-    if uploads is not None:
+    # What the save cost training: the wait for the previous upload, then the local save itself.
+    timing = {"waited_s": round(waited, 3), "save_s": round(time.monotonic() - started - waited, 3)}
+    if uploads is None:
+        emit_rank0(EventKind.CHECKPOINT, step=state.step, path=str(tag_dir), committed=True, removed=removed, **timing)
+    else:
         # Node 0's files were just moved into the tag folder; another host's stay in its own staging folder.
         source = tag_dir if uploads.node_rank == 0 else staged
-        uploads.start(Pending(tag, state.step, asdict(state), source, owned, keep_last, str(tag_dir)))
+        uploads.start(Pending(tag, state.step, asdict(state), source, owned, keep_last, str(tag_dir), timing))
         if os.environ.get(SYNC_UPLOAD_ENV):
             uploads.wait_previous()
             _barrier()

@@ -3,10 +3,12 @@
 After a local save (every rank wrote its files; barrier) the first process of each node uploads the files its
 node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` in a thread of its own, so the next
 training step does not wait; every node but the first then writes its part list `…/parts/node-R.json`. Rank 0's
-thread (node 0's uploader) waits for the other nodes' part lists, checks the job's fence in the store (an attempt that was superseded commits nothing), writes
-the manifest `jobs/<job id>/checkpoints/step-K.json` and only then emits the `checkpoint` event. A failing store
-delays the commit (retried with backoff until the job ends) and never fails a step; at most one checkpoint
-is in flight, so the next save first waits for the previous upload.
+thread (node 0's uploader) waits for the other nodes' part lists, checks the job's fence in the store (an attempt
+that was superseded commits nothing), writes the manifest `jobs/<job id>/checkpoints/step-K.attempt-N.json` and
+only then emits the `checkpoint` event, with what the save cost (`waited_s` for the previous upload, `save_s` for
+the local save) and how long the upload and commit took (`upload_s`). A failing store delays the commit (retried
+with backoff until the job ends) and never fails a step; at most one checkpoint is in flight, so the next save
+first waits for the previous upload.
 
 Which node owns a file: the lowest node rank that sees it in its staging folder. On a disk all nodes share
 (one host) node 0 sees every file and uploads them all; on hosts of their own each node sees only what its
@@ -23,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +56,7 @@ class Pending:
     files: list[str]  # paths relative to `source` this node uploads
     keep_last: int
     local_tag_dir: str  # what the `checkpoint` event names as its path, as the local commit did
+    timing: dict[str, float] = field(default_factory=dict)  # the save's own, for the `checkpoint` event
 
 
 class Uploads:
@@ -134,10 +137,11 @@ class Uploads:
 
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self, pending: Pending) -> None:
+        started = time.monotonic()
         try:
             files = self._upload(pending)
             if self.rank == 0:
-                self._commit(pending, files)
+                self._commit(pending, files, started)
         except _Stopped:
             pass
         except fence.Superseded as exc:
@@ -182,7 +186,7 @@ class Uploads:
             shutil.rmtree(p.source, ignore_errors=True)
         return files
 
-    def _commit(self, p: Pending, own: list[stored.ManifestFile]) -> None:
+    def _commit(self, p: Pending, own: list[stored.ManifestFile], started: float) -> None:
         files = list(own)
         if self.num_nodes > 1:
             files += self._other_nodes_files(p)
@@ -197,7 +201,8 @@ class Uploads:
         # The same shape as the local commit's event; `removed` names old checkpoints as their events did.
         parent = Path(p.local_tag_dir).parent
         emit(EventKind.CHECKPOINT, step=p.step, path=p.local_tag_dir, committed=True, key=key,
-             bytes=manifest.bytes, files=len(files), removed=[str(parent / m.tag) for m in removed])
+             bytes=manifest.bytes, files=len(files), removed=[str(parent / m.tag) for m in removed], **p.timing,
+             upload_s=round(time.monotonic() - started, 3))
 
     def _other_nodes_files(self, p: Pending) -> list[stored.ManifestFile]:
         """Waits for the part list of every node but this one, then reads them."""
