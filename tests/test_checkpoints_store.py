@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
             # Steps past the first save go on while its upload waits for the store; then the store comes back.
             if event["event"] == "progress" and event["step"] >= 6 and "restarted" not in seen:
                 seen["checkpoints_before"] = len(of(seen.setdefault("events", []), "checkpoint"))
-                seen["restarted"] = True
+                seen["restarted"], seen["restarted_at"] = True, time.time()
                 threading.Thread(target=server.start_again, args=([bucket],), daemon=True).start()
             seen.setdefault("events", []).append(event)
 
@@ -71,6 +72,10 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
         committed = of(events, "checkpoint")
         assert [c["step"] for c in committed] == [4, 8, 12], (committed, tail[-6000:])
         assert all(c["committed"] and c["key"].endswith(".json") for c in committed)
+        # What each save cost training, and how long its upload took: the first one's waited out the outage.
+        assert all(c["save_s"] > 0 and c["waited_s"] >= 0 and c["upload_s"] > 0 for c in committed), committed
+        (step5,) = [e for e in of(events, "progress") if e["step"] == 5]
+        assert committed[0]["upload_s"] >= seen["restarted_at"] - step5["ts"] > 0, committed[0]
         manifests, unreadable = stored.read_all(store, "job_outage")
         assert not unreadable and [m.step for m in manifests] == [12, 8]
         # Nothing but the kept checkpoints' objects (and their part lists) is left.

@@ -67,6 +67,7 @@ def test_sigterm_checkpoints_at_step_boundary_and_exits(tmp_path: Path, tiny_mod
     (ckpt,) = of(events, "checkpoint")
     assert ckpt["step"] == stopped["step"] >= 3
     assert (Path(ckpt["path"]) / "COMMITTED").is_file()
+    assert ckpt["save_s"] > 0 and ckpt["waited_s"] == 0 and "upload_s" not in ckpt, ckpt
     assert proc.returncode != 0 and not of(events, "completed")
 
 
