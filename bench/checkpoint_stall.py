@@ -29,7 +29,9 @@ event says how long the save's own parts took):
   the issue's figure for `beside` (target ≤ 10); for `local` it is the method's own residual (about 0); for
   `sync` it is the upload and commit, which the synchronous save waits for;
 - `upload_s`: how long the upload and commit took (in a thread for `beside`);
-- `loop_s`: the time from the `started` event to the last step's progress, for comparing runs with each other.
+- `loop_s`: the time from the `started` event to the last step's progress; the summary's `vs_local_loop_s` for
+  `beside` and `sync` compares runs with each other instead: (`loop_s` − `saves` × `save_s`) less the same for
+  `local`, per save. It carries the runs' differences in start-up and step time, which the in-run figure does not.
 
 With `--repeats`, rounds of every mode in turn; the summary line gives medians. Each run prints its own line as it
 ends (`"figure": "checkpoint stall run"`), so a cut-off run keeps what it measured. A run's folder and its
@@ -207,6 +209,13 @@ def main() -> None:
         for mode in modes:
             summary[mode] = {key: round(statistics.median(r[key] for r in runs[mode]), 4)
                              for key in runs[mode][0] if isinstance(runs[mode][0][key], (int, float))}
+        local = summary.get("local")
+        for mode in ("beside", "sync"):
+            # The runs compared with each other instead: each loop less its own local saves, against `local`'s.
+            if local and mode in summary and local.get("saves"):
+                row, n = summary[mode], local["saves"]
+                row["vs_local_loop_s"] = round(((row["loop_s"] - n * row["save_s"])
+                                                - (local["loop_s"] - n * local["save_s"])) / n, 3)
         sync = summary.get("sync", {})
         if sync.get("beyond_local_s", 0) > 0 and sync.get("checkpoint_bytes"):
             summary["sync_upload_mb_s"] = round(sync["checkpoint_bytes"] / sync["beyond_local_s"] / 1e6, 1)
