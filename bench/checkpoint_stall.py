@@ -33,9 +33,10 @@ event says how long the save's own parts took):
   `beside` and `sync` compares runs with each other instead: (`loop_s` − `saves` × `save_s`) less the same for
   `local`, per save. It carries the runs' differences in start-up and step time, which the in-run figure does not.
 
-With `--repeats`, rounds of every mode in turn; the summary line gives medians. Each run prints its own line as it
-ends (`"figure": "checkpoint stall run"`), so a cut-off run keeps what it measured. A run's folder and its
-objects in a folder store are removed once measured: a 1B checkpoint is ~17 GB.
+With `--repeats`, rounds of every mode in turn; the summary line gives medians. `--summarize A.jsonl B.jsonl …`
+prints the summary of run lines that several invocations wrote (one device call holds one or two rounds). Each run
+prints its own line as it ends (`"figure": "checkpoint stall run"`), so a cut-off run keeps what it measured. A
+run's folder and its objects in a folder store are removed once measured: a 1B checkpoint is ~17 GB.
 """
 
 from __future__ import annotations
@@ -158,6 +159,40 @@ def checkpoint_bytes(folder: Path) -> int | None:
     return sum(f.stat().st_size for f in tags[-1].rglob("*") if f.is_file()) if tags else None
 
 
+def summarize(runs: dict[str, list[dict[str, Any]]], shape: str, store: str) -> dict[str, Any]:
+    """Medians over the runs of each mode, and the comparisons between modes."""
+    summary: dict[str, Any] = {"figure": "checkpoint stall", "shape": shape, "store": store,
+                               "runs": {mode: len(rows) for mode, rows in runs.items()}, "target_beside_pct": "<= 10"}
+    for mode, rows in runs.items():
+        summary[mode] = {key: round(statistics.median(r[key] for r in rows), 4)
+                         for key in rows[0] if isinstance(rows[0][key], (int, float))}
+    local = summary.get("local")
+    for mode in ("beside", "sync"):
+        # The runs compared with each other instead: each loop less its own local saves, against `local`'s.
+        if local and mode in summary and local.get("saves"):
+            row, n = summary[mode], local["saves"]
+            row["vs_local_loop_s"] = round(((row["loop_s"] - n * row["save_s"])
+                                            - (local["loop_s"] - n * local["save_s"])) / n, 3)
+    sync = summary.get("sync", {})
+    if sync.get("beyond_local_s", 0) > 0 and sync.get("checkpoint_bytes"):
+        summary["sync_upload_mb_s"] = round(sync["checkpoint_bytes"] / sync["beyond_local_s"] / 1e6, 1)
+    return summary
+
+
+def summarize_files(paths: list[str]) -> None:
+    """The summary of run lines other invocations printed (a device call fits a round or two, not five)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    shape = store = ""
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line) if line.startswith("{") else {}
+            if row.get("figure") == "checkpoint stall run":
+                shape, store, mode = row.pop("shape"), row.pop("store"), row.pop("mode")
+                row.pop("figure")
+                runs.setdefault(mode, []).append(row)
+    print(json.dumps(summarize({m: runs[m] for m in MODES if m in runs}, shape, store)), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="demo", help="demo (CPU, two processes) or a bench/shapes.py GPU shape")
@@ -169,7 +204,10 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     p.add_argument("--work", default=None)
     p.add_argument("--store-root", default=None, help="the folder store's folder (default: under --work)")
+    p.add_argument("--summarize", nargs="+", metavar="JSONL", help="only summarize these files' run lines")
     a = p.parse_args()
+    if a.summarize:
+        return summarize_files(a.summarize)
     work = Path(a.work or tempfile.mkdtemp(prefix="ft-ckpt-stall-"))
     work.mkdir(parents=True, exist_ok=True)
     store_root = Path(a.store_root) if a.store_root else work / "store"
@@ -204,22 +242,7 @@ def main() -> None:
                 shutil.rmtree(work / mode, ignore_errors=True)
                 if a.store == "file":
                     shutil.rmtree(store_root, ignore_errors=True)
-        summary: dict[str, Any] = {"figure": "checkpoint stall", "shape": a.shape, "store": a.store,
-                                   "repeats": a.repeats, "target_beside_pct": "<= 10"}
-        for mode in modes:
-            summary[mode] = {key: round(statistics.median(r[key] for r in runs[mode]), 4)
-                             for key in runs[mode][0] if isinstance(runs[mode][0][key], (int, float))}
-        local = summary.get("local")
-        for mode in ("beside", "sync"):
-            # The runs compared with each other instead: each loop less its own local saves, against `local`'s.
-            if local and mode in summary and local.get("saves"):
-                row, n = summary[mode], local["saves"]
-                row["vs_local_loop_s"] = round(((row["loop_s"] - n * row["save_s"])
-                                                - (local["loop_s"] - n * local["save_s"])) / n, 3)
-        sync = summary.get("sync", {})
-        if sync.get("beyond_local_s", 0) > 0 and sync.get("checkpoint_bytes"):
-            summary["sync_upload_mb_s"] = round(sync["checkpoint_bytes"] / sync["beyond_local_s"] / 1e6, 1)
-        print(json.dumps(summary), flush=True)
+        print(json.dumps(summarize(runs, a.shape, a.store)), flush=True)
     finally:
         if server is not None:
             server.stop()
