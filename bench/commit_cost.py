@@ -45,7 +45,7 @@ def commit_times(store: Store, tag_dir: Path, commits: int, server: Any) -> list
     files = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file())
     uploads = Uploads(store, "job_commitcost", 1, rank=0, local_rank=0, node_rank=0, num_nodes=1)
     proc = psutil.Process(server.proc.pid) if server is not None else None
-    log = server._log_path if server is not None else None
+    log = server.log_path if server is not None else None
     rows: list[dict[str, float]] = []
 
     def one(step: int, into: dict[str, float]) -> None:

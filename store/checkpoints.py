@@ -47,6 +47,12 @@ class ManifestFile:
     bytes: int
     sha256: str
 
+    @classmethod
+    def from_json(cls, f: dict[str, Any]) -> ManifestFile:
+        """One entry of a manifest's (or a node's part list's) `files`; KeyError, TypeError or ValueError where
+        it is not one."""
+        return cls(str(f["path"]), str(f["key"]), int(f["bytes"]), str(f["sha256"]))
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -92,8 +98,7 @@ def parse(key: str, raw: bytes) -> Manifest:
     """The manifest stored at `key`; ValueError where it is not one."""
     try:
         body = json.loads(raw)
-        files = [ManifestFile(str(f["path"]), str(f["key"]), int(f["bytes"]), str(f["sha256"]))
-                 for f in body["files"]]
+        files = [ManifestFile.from_json(f) for f in body["files"]]
         found = Manifest(key, int(body["step"]), int(body["attempt"]), str(body["tag"]), str(body["created_at"]),
                          files, dict(body.get("trainer_state") or {}))
     except (ValueError, KeyError, TypeError) as exc:

@@ -25,8 +25,8 @@ class S3Server:
         # A port given: the server comes back where its clients knew it (an outage test restarts it).
         self.host, self.port = host, port or free_port()
         self.endpoint = f"http://{host}:{self.port}"
-        self._log_path = log_dir / f"s3-{self.port}.log"
-        self._log = self._log_path.open("ab")
+        self.log_path = log_dir / f"s3-{self.port}.log"
+        self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **CREDENTIALS})
@@ -34,7 +34,7 @@ class S3Server:
 
     def start_again(self, buckets: list[str]) -> None:
         """After `stop`: a new server on the same address, with these (empty) buckets; the old one kept nothing."""
-        self._log = self._log if not self._log.closed else (self._log_path).open("ab")
+        self._log = self._log if not self._log.closed else (self.log_path).open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **CREDENTIALS})

@@ -219,7 +219,7 @@ class Uploads:
         files: list[stored.ManifestFile] = []
         for item in sorted(listed, key=lambda i: i.key):
             body = json.loads(self._retry("reading a part list", lambda k=item.key: self.store.get_bytes(k)))
-            files += [stored.ManifestFile(f["path"], f["key"], int(f["bytes"]), f["sha256"]) for f in body["files"]]
+            files += [stored.ManifestFile.from_json(f) for f in body["files"]]
         return files
 
     def _prune(self, newest: stored.Manifest, keep_last: int) -> list[stored.Manifest]:
