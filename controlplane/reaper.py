@@ -155,6 +155,13 @@ class Reaper:
             done = attempts.reap(session, job_id, attempt, max_attempts=self.settings.max_attempts, released=released)
         if done is not None and done.status == JobStatus.QUEUED:
             log.warning("job %s on attempt %d: %s as attempt %d", job_id, attempt, done.reason, done.attempt)
+            # Published now, not when the next attempt is sent (a gang may wait long for nodes): what is left of
+            # the old attempt (a surviving node's ranks, held up by a commit that waits for the lost node) is
+            # stale at once, so its guard and worker end it and free its slots.
+            try:
+                self.r.set(attempt_key(job_id), done.attempt)
+            except redis.RedisError as exc:
+                log.warning("job %s: attempt %d not published yet (its dispatch will): %s", job_id, done.attempt, exc)
         return done is not None
 
     def _redrive(self) -> list[str]:

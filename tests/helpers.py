@@ -39,6 +39,20 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def wait_no_processes(marker: str, timeout: float, what: str) -> None:
+    """Waits until no live process mentions `marker`; on a timeout the message names those still there."""
+    left: list[str] = []
+
+    def gone() -> bool:
+        left[:] = job_processes(marker)
+        return not left
+
+    try:
+        wait_for(gone, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running: {[p[:300] for p in left[:5]]}") from None
+
+
 def job_processes(marker: str) -> list[str]:
     """Command lines of live (non-zombie) processes that mention marker (a job id or a spec path)."""
     found = []

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.chaos_support import AttemptSampler, assert_history_exact, committed_markers, rank_pids
-from tests.helpers import events_of, job_processes, wait_for, wait_status
+from tests.helpers import events_of, job_processes, wait_for, wait_no_processes, wait_status
 from trainer.checkpoint import SAVE_PAUSE_ENV
 
 LEASE_TTL = 3.0  # FT_LEASE_TTL_SECONDS of the test stack (tests/conftest.py)
@@ -87,7 +87,7 @@ def test_a_frozen_worker_is_fenced_and_its_job_runs_exactly_once(api: httpx.Clie
     frozen_at = time.monotonic()
     workers("rescuer", q)
     # The frozen worker cannot act; its guard ends the ranks once the lease it saw has expired.
-    wait_for(lambda: not job_processes(f"{job['id']}/attempts/{a1}/"), LEASE_TTL + 10,
+    wait_no_processes(f"{job['id']}/attempts/{a1}/", LEASE_TTL + 10,
              "the frozen attempt's processes to end")
     fenced_after = time.monotonic() - frozen_at
     assert fenced_after <= LEASE_TTL + 3, f"attempt 1 kept running {fenced_after:.1f} s after its worker froze"
@@ -167,7 +167,7 @@ def test_a_rank_killed_by_a_signal_fails_the_job_as_killed_naming_the_rank(api: 
     assert final["status"] == "failed" and error["code"] == "killed", error
     assert error["message"].startswith("rank 1 was killed by SIGKILL"), error["message"]
     assert error["rank"] == "1" and error["signal"] == "SIGKILL"
-    wait_for(lambda: not job_processes(job["id"]), 10, "every process of the job to be gone")
+    wait_no_processes(job["id"], 10, "every process of the job to be gone")
 
 
 def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committed_one(
@@ -204,7 +204,7 @@ def test_a_worker_killed_while_saving_a_checkpoint_resumes_from_the_last_committ
     assert saving > last_committed
     doomed.send_signal(signal.SIGKILL)
     doomed.wait()
-    wait_for(lambda: not job_processes(f"{job['id']}/attempts/{a1}/"), 10, "the killed attempt's processes to end")
+    wait_no_processes(f"{job['id']}/attempts/{a1}/", 10, "the killed attempt's processes to end")
     workers("rescuer", q)
 
     final = wait_status(api, job["id"], {"succeeded", "failed", "cancelled"}, timeout=400)

@@ -13,7 +13,15 @@ import redis
 
 from scripts.client import sse_events
 from tests.chaos_support import AttemptSampler, assert_history_exact
-from tests.helpers import NO_ASYNC_IO, async_io_buildable, events_of, job_processes, wait_for, wait_status
+from tests.helpers import (
+    NO_ASYNC_IO,
+    async_io_buildable,
+    events_of,
+    job_processes,
+    wait_for,
+    wait_no_processes,
+    wait_status,
+)
 
 
 def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make_job: Any) -> None:
@@ -76,7 +84,7 @@ def test_cancelling_a_running_job_stops_every_process(api: httpx.Client, make_jo
     assert r.status_code == 202 and r.json()["status"] == "cancelling"
     final = wait_status(api, job["id"], {"cancelled", "failed", "succeeded"}, timeout=15)
     assert final["status"] == "cancelled"
-    wait_for(lambda: not job_processes(job["id"]), 5, "every process of the job to be gone")
+    wait_no_processes(job["id"], 5, "every process of the job to be gone")
     again = api.post(f"/jobs/{job['id']}/cancel")
     assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
 
@@ -123,7 +131,7 @@ def test_killed_worker_is_replaced_and_the_job_resumes_from_its_checkpoint(api: 
     doomed.wait()
     stack.procs.pop("doomed")
     # The launcher and ranks of the dead worker's attempt go with it.
-    wait_for(lambda: not job_processes(attempt1), 15, "no process of the dead worker's attempt left")
+    wait_no_processes(attempt1, 15, "no process of the dead worker's attempt left")
 
     stack.start_worker("rescuer", queues="killtest")
     try:
@@ -201,4 +209,4 @@ def test_a_job_past_its_time_limit_is_stopped_and_fails_with_time_limit(api: htt
     interrupted = events_of(api, job["id"], ["interrupted"])
     assert interrupted and interrupted[0]["reason"] == "SIGTERM"
     assert any(c["step"] == interrupted[0]["step"] and c["committed"] for c in final["checkpoints"])
-    wait_for(lambda: not job_processes(job["id"]), 5, "every process of the job to be gone")
+    wait_no_processes(job["id"], 5, "every process of the job to be gone")

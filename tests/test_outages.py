@@ -29,7 +29,7 @@ from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 from db.ingest import _clean, apply_event
 from db.models import Job
 from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
-from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
+from tests.helpers import events_of, free_port, wait_for, wait_no_processes, wait_status
 from tests.outage_support import (
     PrivatePostgres,
     PrivateRedis,
@@ -135,7 +135,7 @@ def log_of(stack: Stack, name: str) -> str:
 
 
 def no_orphans(job_id: str) -> None:
-    wait_for(lambda: not job_processes(job_id), 15, f"no process of job {job_id} left")
+    wait_no_processes(job_id, 15, f"no process of job {job_id} left")
 
 
 def test_a_postgres_restart_mid_job_loses_no_event(oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres,

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import redis
 
-from contract.protocol import NODES_SET, gang_stop_key, node_key
-from tests.helpers import events_of, job_processes, wait_for, wait_status
+from contract.protocol import NODES_SET, attempt_key, gang_stop_key, node_key
+from tests.helpers import events_of, job_processes, wait_for, wait_no_processes, wait_status
 
 END = {"succeeded", "failed", "cancelled"}
 
@@ -74,7 +74,7 @@ def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reas
         for job_id in (second["id"], third["id"]):
             assert wait_status(api, job_id, END, 30)["status"] == "cancelled"
         for job_id in (early["id"], second["id"], third["id"]):
-            wait_for(lambda j=job_id: not job_processes(j), 10, f"every process of {job_id} gone")
+            wait_no_processes(job_id, 10, f"every process of {job_id} gone")
     finally:
         stack.stop("pair")
     # Its heartbeat stops: the node is shown as lost (after its key's TTL and the grace) and offers nothing.
@@ -83,7 +83,7 @@ def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reas
 
 
 def test_a_two_node_job_trains_as_one_world_and_a_lost_node_requeues_the_whole_gang(
-        api: httpx.Client, stack: Any, make_job: Any, roots: dict[str, Any]) -> None:
+        api: httpx.Client, stack: Any, make_job: Any, roots: dict[str, Any], redis_url: str) -> None:
     for name in ("gang-a", "gang-b"):
         stack.start_worker(name, queues="gang", slots=1)
     started_here = ["gang-a", "gang-b"]
@@ -116,10 +116,15 @@ def test_a_two_node_job_trains_as_one_world_and_a_lost_node_requeues_the_whole_g
         proc.kill()
         proc.wait()
         started_here.remove(doomed)
-        wait_for(lambda: not job_processes(attempt1), 20, "no process of the attempt left on any node")
+        wait_no_processes(attempt1, 20, "no process of the attempt left on any node")
         requeued = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["attempt"] == a1 + 1 and j, 30,
                             "the whole job requeued as one new attempt")
         assert requeued["status"] in ("queued", "starting", "running")
+        # The old attempt is stale as soon as the job is requeued, not only once the gang is placed again: the
+        # survivor's ranks (whose last commit may wait for the lost node's part) must not hold its slot until then.
+        current = redis.Redis.from_url(redis_url)
+        wait_for(lambda: current.get(attempt_key(job["id"])) == str(a1 + 1).encode(), 5,
+                 "the new attempt published to the workers")
 
         # A third node joins; the next attempt runs on it and the survivor, from the checkpoint.
         stack.start_worker("gang-c", queues="gang", slots=1)
@@ -139,7 +144,7 @@ def test_a_two_node_job_trains_as_one_world_and_a_lost_node_requeues_the_whole_g
         lost = node(api, doomed)
         assert lost is not None and lost["state"] == "lost"
         # Node 0 reports the end; the other node's ranks may take a moment more to exit.
-        wait_for(lambda: not job_processes(job["id"]), 15, "no process of the job left on any node")
+        wait_no_processes(job["id"], 15, "no process of the job left on any node")
     finally:
         for name in started_here:
             stack.stop(name)
@@ -173,13 +178,13 @@ def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_
         # Cancel stops every node's ranks; the waiting gang then gets both nodes whole.
         api.post(f"/jobs/{first}/cancel")
         assert wait_status(api, first, END, 30)["status"] == "cancelled"
-        wait_for(lambda: not job_processes(first), 15, "no rank of the cancelled gang on any node")
+        wait_no_processes(first, 15, "no rank of the cancelled gang on any node")
         placed = wait_for(lambda: api.get(f"/jobs/{second}").json()["placement"], 30, "the second gang placed")
         assert sorted(p["node"] for p in placed) == ["duo-a", "duo-b"]
         wait_for(lambda: progressing(api, second), 240, "the second gang training")
         api.post(f"/jobs/{second}/cancel")
         assert wait_status(api, second, END, 30)["status"] == "cancelled"
-        wait_for(lambda: not job_processes(second), 15, "no rank of the second gang on any node")
+        wait_no_processes(second, 15, "no rank of the second gang on any node")
     finally:
         for name in ("duo-a", "duo-b"):
             stack.stop(name)
@@ -229,7 +234,7 @@ def test_the_queue_runs_by_priority_then_owners_take_turns_then_oldest_first(
         # next, then default's in age order.
         assert order == [urgent, b1, a1, a2, a3]
         for job_id in (blocker["id"], *order):
-            wait_for(lambda j=job_id: not job_processes(j), 20, f"every process of {job_id} gone")
+            wait_no_processes(job_id, 20, f"every process of {job_id} gone")
     finally:
         stack.stop("single")
 
@@ -259,7 +264,7 @@ def test_a_gang_part_failing_on_its_own_stops_the_other_node_and_fails_the_job_o
         # Node 1's failure stopped the gang through the stop key, which names that part.
         stop = redis.Redis.from_url(redis_url).get(gang_stop_key(job["id"], 1))
         assert stop == b"solo-b#1"
-        wait_for(lambda: not job_processes(job["id"]), 20, "no rank of the job left on any node")
+        wait_no_processes(job["id"], 20, "no rank of the job left on any node")
         for name in ("solo-a", "solo-b"):
             wait_for(lambda n=name: (x := node(api, n)) and x["slots_free"] == 1 and not x["jobs"], 20,
                      f"node {name}'s slot free")
@@ -292,7 +297,7 @@ def test_a_deploy_of_one_node_of_a_gang_releases_it_and_it_resumes_from_that_che
         assert proc.wait(120) == 0
         requeued = wait_for(lambda: (j := api.get(f"/jobs/{job['id']}").json())["attempt"] == 2 and j, 30,
                             "the job handed back as attempt 2")
-        wait_for(lambda: not job_processes(attempt1), 20, "no rank of attempt 1 left on any node")
+        wait_no_processes(attempt1, 20, "no rank of attempt 1 left on any node")
         interrupted = events_of(api, job["id"], ["interrupted"])
         assert len(interrupted) == 1 and interrupted[0]["attempt"] == 1
         saved = interrupted[0]["step"]
@@ -318,7 +323,7 @@ def test_a_deploy_of_one_node_of_a_gang_releases_it_and_it_resumes_from_that_che
         assert resumed and resumed[0]["resumed_from_step"] == saved and resumed[0]["world_size"] == 2
         first_step = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == 2)
         assert first_step == saved + 1
-        wait_for(lambda: not job_processes(job["id"]), 15, "no process of the job left on any node")
+        wait_no_processes(job["id"], 15, "no process of the job left on any node")
     finally:
         for name in started_here:
             stack.stop(name)
@@ -352,7 +357,7 @@ def test_a_draining_node_takes_no_new_job_while_the_one_on_it_ends_there(
         assert len(interrupted) == 1 and interrupted[0]["attempt"] == 1
         committed = [c for c in events_of(api, on_it["id"], ["checkpoint"]) if c.get("committed")]
         assert [(c["attempt"], c["step"]) for c in committed] == [(1, interrupted[0]["step"])]
-        wait_for(lambda: not job_processes(on_it["id"]), 20, "no process of the job left on the node")
+        wait_no_processes(on_it["id"], 20, "no process of the job left on the node")
         assert api.get(f"/jobs/{late['id']}").json()["placement"] is None
         for job_id in (on_it["id"], late["id"]):
             api.post(f"/jobs/{job_id}/cancel")

@@ -25,7 +25,7 @@ from scripts.stack import Stack, migrate
 from store.objects import Store
 from tests import netns_support
 from tests.conftest import PG, create_key
-from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
+from tests.helpers import events_of, free_port, wait_for, wait_no_processes, wait_status
 from tests.outage_support import PrivateRedis
 from tests.s3_support import S3Server
 
@@ -123,7 +123,7 @@ def test_a_two_host_job_without_a_shared_disk_loses_a_node_resumes_from_the_stor
     doomed = stack.procs.pop("host-b")
     doomed.kill()
     doomed.wait()
-    wait_for(lambda: not job_processes(f"{scratch['host-b']}/"), 30, "host b's ranks ended by their guard")
+    wait_no_processes(f"{scratch['host-b']}/", 30, "host b's ranks ended by their guard")
     shutil.rmtree(scratch["host-b"])
     start_host_worker(stack, hosts["host-c"], "host-c", scratch["host-c"])
 
@@ -144,4 +144,4 @@ def test_a_two_host_job_without_a_shared_disk_loses_a_node_resumes_from_the_stor
     config = api.get(f"/jobs/{job_id}/output/config.json")
     assert hashlib.sha256(config.content).hexdigest() == files["config.json"]["sha256"]
     assert any(item.key.endswith("/output/model.safetensors") for item in store.list(f"jobs/{job_id}/"))
-    wait_for(lambda: not job_processes(job_id), 30, "no process of the job left on any host")
+    wait_no_processes(job_id, 30, "no process of the job left on any host")
