@@ -7,8 +7,10 @@ folder `--commits` times through the trainer's own uploader (trainer/uploader.py
 thread, as the trainer runs it. One JSON line per store, over the commits after the first (which creates the
 bucket's first keys):
 
-- `thread_cpu_ms`: the median CPU time of the uploading thread per commit (`time.thread_time`): what the upload
-  takes from the training process's cores while it runs beside training;
+- `thread_cpu_ms`: the median CPU time of the uploading thread per commit (`time.thread_time`): what the commit
+  takes from the training process itself (the part lists, the fence, the manifest, pruning);
+- `push_cpu_ms`: the median CPU time (user + system) of the `store.push` process that moves the bytes, start-up
+  included: what the upload takes from the host's cores beside training, outside the training process;
 - `wall_ms`: the median wall time per commit;
 - `server_cpu_ms`: the median CPU time (user + system) the S3 server process spent per commit; on a real
   deployment that is another machine's, on this one it shares the training's cores;
@@ -25,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -50,9 +53,12 @@ def commit_times(store: Store, tag_dir: Path, commits: int, server: Any) -> list
 
     def one(step: int, into: dict[str, float]) -> None:
         cpu, wall = time.thread_time(), time.perf_counter()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
         pending = Pending(f"step-{step:08d}", step, {"step": step}, tag_dir, files, 2, str(tag_dir))
         uploads._run(pending)
         into["thread_cpu_ms"] = (time.thread_time() - cpu) * 1e3
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        into["push_cpu_ms"] = (after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime) * 1e3
         into["wall_ms"] = (time.perf_counter() - wall) * 1e3
 
     for i in range(commits):
@@ -99,7 +105,7 @@ def main() -> None:
                     server.stop()
             out: dict[str, Any] = {"figure": "checkpoint commit cost", "store": kind, "checkpoint_bytes": size,
                                    "files": count, "commits": len(rows)}
-            for name in ("thread_cpu_ms", "wall_ms", "server_cpu_ms", "requests"):
+            for name in ("thread_cpu_ms", "push_cpu_ms", "wall_ms", "server_cpu_ms", "requests"):
                 if name in rows[0]:
                     out[name] = round(statistics.median(r[name] for r in rows), 1)
             print(json.dumps(out), flush=True)

@@ -27,8 +27,8 @@ from store import checkpoints as stored
 from store import layout
 from store.objects import Store
 from tests.conftest import create_key, job_spec
-from tests.helpers import events_of, wait_for, wait_status
-from tests.s3_support import S3Server
+from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
+from tests.s3_support import CREDENTIALS, S3Server
 from tests.trainer_support import corpus, launch, make_job, of, tiny_model, train_file, write_run_spec  # noqa: F401
 
 
@@ -86,6 +86,24 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
             == set()
     finally:
         server.stop()
+
+
+def test_a_store_still_down_at_the_end_costs_the_job_no_wait_and_leaves_no_upload_process(
+        tmp_path: Path, tiny_model: Path, corpus: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # One save, the last step's (an earlier one's upload would hold the next save until the store is back).
+    job = make_job(tiny_model, train_file(tmp_path, corpus), hyperparameters={"max_steps": 4},
+                   checkpointing={"every_steps": 4, "keep_last": 2})
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    # Nothing listens there: every upload of the job fails.
+    spec = with_store(write_run_spec(tmp_path, job), "s3://bucket/p", f"http://127.0.0.1:{free_port()}",
+                      "job_never_stored")
+    rc, events, tail = launch(spec)
+    assert rc == 0, tail
+    assert not of(events, "checkpoint"), "a checkpoint was committed with no store"
+    assert "the upload of a checkpoint was given up at the trainer's end (the store is failing)" in tail, tail
+    # The upload's own process (store.push) went with the trainer.
+    assert not job_processes("jobs/job_never_stored/")
 
 
 def test_checkpoints_are_committed_in_the_store_listed_served_and_resumed_from_it(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from store.cache import CacheFull, NodeCache
 from store.objects import Store, TooLarge
+from tests.helpers import free_port
 from tests.s3_support import CREDENTIALS, S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +146,55 @@ def test_two_slots_fetching_the_same_object_at_once_download_it_once(store: Stor
     assert len(inodes) == 1, "each slot wrote its own copy"
     leftovers = [p.name for p in (tmp_path / "cache" / "sha256").iterdir() if p.name.endswith(".part")]
     assert leftovers == []
+
+
+def push(store: Store, prefix: str, source: Path, endpoint: str | None = None) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "store.push", "--store", store.url, "--prefix", prefix, "--source", str(source)]
+    if endpoint or store.endpoint:
+        argv += ["--endpoint", endpoint or store.endpoint or ""]
+    return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def pushed(proc: subprocess.Popen[str], paths: list[str]) -> list[dict[str, object]]:
+    """As the trainer drives it: stdin stays open until the process ended (closing it ends the process)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(paths) + "\n")
+    proc.stdin.flush()
+    rows = [json.loads(line) for line in proc.stdout]
+    proc.wait(timeout=60)
+    proc.stdin.close()
+    return rows
+
+
+def test_the_push_process_reports_each_file_it_stored_and_a_missing_one_by_its_exit_status(
+        store: Store, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    (source / "global_step3").mkdir(parents=True)
+    blobs = {"latest": b"global_step3", "global_step3/model_states.pt": os.urandom(9 << 20)}  # one multipart upload
+    for rel, data in blobs.items():
+        (source / rel).write_bytes(data)
+    proc = push(store, "jobs/j/step-3/", source)
+    rows = pushed(proc, sorted(blobs))
+    assert proc.returncode == 0
+    assert rows == [{"path": rel, "key": f"jobs/j/step-3/{rel}", "bytes": len(blobs[rel]),
+                     "sha256": hashlib.sha256(blobs[rel]).hexdigest()} for rel in sorted(blobs)]
+    assert store.get_bytes("jobs/j/step-3/global_step3/model_states.pt") == blobs["global_step3/model_states.pt"]
+
+    gone = push(store, "jobs/j/step-4/", source)
+    rows = pushed(gone, ["latest", "not-there"])
+    assert gone.returncode == 3 and [row["path"] for row in rows] == ["latest"]
+
+
+def test_the_push_process_retries_a_store_it_cannot_reach_and_ends_when_its_caller_does(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    port = free_port()  # nothing listens there
+    unreachable = Store("s3://bucket/p", f"http://127.0.0.1:{port}")
+    proc = push(unreachable, "k/", tmp_path)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(["f"]) + "\n")
+    proc.stdin.flush()
+    failing = json.loads(proc.stdout.readline())
+    assert "failing" in failing and failing["failing"], failing
+    assert proc.poll() is None  # still retrying
+    proc.stdin.close()  # what a caller's death does to it
+    assert proc.wait(timeout=10) == 1

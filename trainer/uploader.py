@@ -1,14 +1,15 @@
 """Every committed checkpoint in the artifact store, uploaded beside training and committed by a manifest.
 
 After a local save (every rank wrote its files; barrier) the first process of each node uploads the files its
-node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` in a thread of its own, so the next
-training step does not wait; every node but the first then writes its part list `…/parts/node-R.json`. Rank 0's
-thread (node 0's uploader) waits for the other nodes' part lists, checks the job's fence in the store (an attempt
-that was superseded commits nothing), writes the manifest `jobs/<job id>/checkpoints/step-K.attempt-N.json` and
-only then emits the `checkpoint` event, with what the save cost (`waited_s` for the previous upload, `save_s` for
-the local save) and how long the upload and commit took (`upload_s`). A failing store delays the commit (retried
-with backoff until the job ends) and never fails a step; at most one checkpoint is in flight, so the next save
-first waits for the previous upload.
+node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` from a thread of its own, so the next
+training step does not wait; the bytes move in a child process, `python -m store.push`, since reading, hashing and
+sending them inside the training process would take the GIL from the training loop. Every node but the first
+then writes its part list `…/parts/node-R.json`. Rank 0's thread (node 0's uploader) waits for the other nodes'
+part lists, checks the job's fence in the store (an attempt that was superseded commits nothing), writes the
+manifest `jobs/<job id>/checkpoints/step-K.attempt-N.json` and only then emits the `checkpoint` event, with what
+the save cost (`waited_s` for the previous upload, `save_s` for the local save) and how long the upload and commit
+took (`upload_s`). A failing store delays the commit (retried with backoff until the job ends) and never fails a
+step; at most one checkpoint is in flight, so the next save first waits for the previous upload.
 
 Which node owns a file: the lowest node rank that sees it in its staging folder. On a disk all nodes share
 (one host) node 0 sees every file and uploads them all; on hosts of their own each node sees only what its
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -35,12 +37,13 @@ from obstore.exceptions import BaseError
 from contract.codes import EventKind
 from contract.spec import RunSpec
 from store import checkpoints as stored
-from store import layout
+from store import layout, push
 from store.objects import Store, error_line
 from trainer import fence
 from trainer.events import emit
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent  # the project, which `python -m store.push` imports from
 # How long the trainer waits for a pending commit before it exits: after its last step (the export ran beside
 # the upload), and after a SIGTERM, when the worker kills it once its grace (30 s by default) is over.
 FINAL_WAIT_SECONDS = 600.0
@@ -69,6 +72,8 @@ class Uploads:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._failing = threading.Event()  # the store's last call failed (set until one succeeds)
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[str] | None = None  # the running `store.push`, which `finish` may kill
 
     @classmethod
     def for_run(cls, run_spec: RunSpec, rank: int) -> Uploads | None:
@@ -129,7 +134,10 @@ class Uploads:
         while self._thread.is_alive() and time.monotonic() < end and not self._failing.is_set():
             self._thread.join(min(1.0, max(0.0, end - time.monotonic())))
         if self._thread.is_alive():
-            self._stop.set()
+            with self._lock:
+                self._stop.set()
+                if self._child is not None:
+                    self._child.kill()
             why = "the store is failing" if self._failing.is_set() else f"it did not finish within {timeout:.0f} s"
             _say(f"the upload of a checkpoint was given up at the trainer's end ({why}); it is not committed")
             return False
@@ -169,13 +177,7 @@ class Uploads:
 
     def _upload(self, p: Pending) -> list[stored.ManifestFile]:
         prefix = layout.checkpoint_staging_prefix(self.job_id, self.attempt, p.tag)
-        files = []
-        for rel in p.files:
-            if not (p.source / rel).is_file():
-                # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
-                raise FileNotFoundError(f"{p.source / rel} is gone before it was uploaded")
-            done = self._retry(f"uploading {rel}", lambda rel=rel: self.store.put_file(prefix + rel, p.source / rel))
-            files.append(stored.ManifestFile(rel, done.key, done.bytes, done.sha256))
+        files = self._push(prefix, p) if p.files else []
         if self.node_rank == 0:
             return files  # this thread is rank 0's, which commits: its own list needs no trip through the store
         part = json.dumps({"node_rank": self.node_rank, "files": [asdict(f) for f in files]}).encode()
@@ -184,6 +186,51 @@ class Uploads:
         if p.files:
             # A host of its own: the store holds this node's files now, and only node 0's disk commits locally.
             shutil.rmtree(p.source, ignore_errors=True)
+        return files
+
+    def _push(self, prefix: str, p: Pending) -> list[stored.ManifestFile]:
+        """This node's files, uploaded by `python -m store.push`, out of the training process's interpreter (why:
+        store/push.py). Its reports keep `_failing` current; `finish` kills it when it gives the upload up."""
+        argv = [sys.executable, "-m", "store.push", "--store", self.store.absolute_url, "--prefix", prefix,
+                "--source", str(p.source)]
+        if self.store.endpoint:
+            argv += ["--endpoint", self.store.endpoint]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with self._lock:
+            if self._stop.is_set():
+                raise _Stopped
+            child = self._child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                                   text=True)
+        assert child.stdin is not None and child.stdout is not None
+        files, failures = [], 0
+        try:
+            child.stdin.write(json.dumps(p.files) + "\n")
+            child.stdin.flush()
+            for line in child.stdout:
+                row = json.loads(line)
+                if "failing" in row:
+                    self._failing.set()
+                    failures += 1
+                    if failures == 1 or failures % 10 == 0:
+                        _say(f"store: uploading a file of {p.tag} failed ({row['failing']}); retrying")
+                    continue
+                self._failing.clear()
+                files.append(stored.ManifestFile(row["path"], row["key"], row["bytes"], row["sha256"]))
+            code = child.wait()
+        finally:
+            with self._lock:
+                self._child = None
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            child.stdin.close()
+        if self._stop.is_set():
+            raise _Stopped
+        if code == push.FILE_GONE:
+            # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
+            raise FileNotFoundError(f"a file of {p.source} is gone before it was uploaded")
+        if code != 0 or len(files) != len(p.files):
+            raise RuntimeError(f"the upload process exited {code} after {len(files)} of {len(p.files)} files")
         return files
 
     def _commit(self, p: Pending, own: list[stored.ManifestFile], started: float) -> None:
