@@ -9,8 +9,9 @@ bucket's first keys):
 
 - `thread_cpu_ms`: the median CPU time of the uploading thread per commit (`time.thread_time`): what the commit
   takes from the training process itself (the part lists, the fence, the manifest, pruning);
-- `push_cpu_ms`: the median CPU time (user + system) of the `store.push` process that moves the bytes, start-up
-  included: what the upload takes from the host's cores beside training, outside the training process;
+- `push_cpu_ms`: the median CPU time (user + system) of the `store.push` process that moves the bytes (one
+  process for all commits, as in the trainer: its start-up falls in the first commit): what the upload takes from
+  the host's cores beside training, outside the training process;
 - `wall_ms`: the median wall time per commit;
 - `server_cpu_ms`: the median CPU time (user + system) the S3 server process spent per commit; on a real
   deployment that is another machine's, on this one it shares the training's cores;
@@ -27,7 +28,6 @@ import contextlib
 import io
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -44,6 +44,16 @@ from store.objects import Store
 from trainer.uploader import Pending, Uploads
 
 
+def push_cpu() -> float:
+    """CPU seconds of this process's `store.push` child so far (0 before it started)."""
+    total = 0.0
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "store.push" in child.cmdline():
+                total += sum(child.cpu_times()[:2])
+    return total
+
+
 def commit_times(store: Store, tag_dir: Path, commits: int, server: Any) -> list[dict[str, float]]:
     files = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file())
     uploads = Uploads(store, "job_commitcost", 1, rank=0, local_rank=0, node_rank=0, num_nodes=1)
@@ -53,12 +63,11 @@ def commit_times(store: Store, tag_dir: Path, commits: int, server: Any) -> list
 
     def one(step: int, into: dict[str, float]) -> None:
         cpu, wall = time.thread_time(), time.perf_counter()
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        pushed = push_cpu()
         pending = Pending(f"step-{step:08d}", step, {"step": step}, tag_dir, files, 2, str(tag_dir))
         uploads._run(pending)
         into["thread_cpu_ms"] = (time.thread_time() - cpu) * 1e3
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        into["push_cpu_ms"] = (after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime) * 1e3
+        into["push_cpu_ms"] = (push_cpu() - pushed) * 1e3
         into["wall_ms"] = (time.perf_counter() - wall) * 1e3
 
     for i in range(commits):
@@ -74,6 +83,7 @@ def commit_times(store: Store, tag_dir: Path, commits: int, server: Any) -> list
             row["server_cpu_ms"] = (sum(proc.cpu_times()[:2]) - before) * 1e3
             row["requests"] = log.read_text(errors="replace").count("\n") - lines
         rows.append(row)
+    uploads.finish(10)  # ends its store.push process
     return rows
 
 

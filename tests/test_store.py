@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,53 +149,56 @@ def test_two_slots_fetching_the_same_object_at_once_download_it_once(store: Stor
     assert leftovers == []
 
 
-def push(store: Store, prefix: str, source: Path, endpoint: str | None = None) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "store.push", "--store", store.url, "--prefix", prefix, "--source", str(source)]
-    if endpoint or store.endpoint:
-        argv += ["--endpoint", endpoint or store.endpoint or ""]
+def push(store: Store) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "store.push", "--store", store.url]
+    if store.endpoint:
+        argv += ["--endpoint", store.endpoint]
     return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def pushed(proc: subprocess.Popen[str], paths: list[str]) -> list[dict[str, object]]:
-    """As the trainer drives it: stdin stays open until the process ended (closing it ends the process)."""
+def request(proc: subprocess.Popen[str], prefix: str, source: Path, files: list[str]) -> list[dict[str, Any]]:
+    """One request, as the trainer sends it; the reports up to and with its `done` line."""
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(paths) + "\n")
+    proc.stdin.write(json.dumps({"prefix": prefix, "source": str(source), "files": files}) + "\n")
     proc.stdin.flush()
-    rows = [json.loads(line) for line in proc.stdout]
-    proc.wait(timeout=60)
-    proc.stdin.close()
+    rows = []
+    while not rows or "done" not in rows[-1]:
+        rows.append(json.loads(proc.stdout.readline()))
     return rows
 
 
-def test_the_push_process_reports_each_file_it_stored_and_a_missing_one_by_its_exit_status(
-        store: Store, tmp_path: Path) -> None:
+def test_the_push_process_reports_each_file_it_stored_request_after_request(store: Store, tmp_path: Path) -> None:
     source = tmp_path / "ckpt"
     (source / "global_step3").mkdir(parents=True)
     blobs = {"latest": b"global_step3", "global_step3/model_states.pt": os.urandom(9 << 20)}  # one multipart upload
     for rel, data in blobs.items():
         (source / rel).write_bytes(data)
-    proc = push(store, "jobs/j/step-3/", source)
-    rows = pushed(proc, sorted(blobs))
-    assert proc.returncode == 0
-    assert rows == [{"path": rel, "key": f"jobs/j/step-3/{rel}", "bytes": len(blobs[rel]),
-                     "sha256": hashlib.sha256(blobs[rel]).hexdigest()} for rel in sorted(blobs)]
-    assert store.get_bytes("jobs/j/step-3/global_step3/model_states.pt") == blobs["global_step3/model_states.pt"]
-
-    gone = push(store, "jobs/j/step-4/", source)
-    rows = pushed(gone, ["latest", "not-there"])
-    assert gone.returncode == 3 and [row["path"] for row in rows] == ["latest"]
+    proc = push(store)
+    try:
+        rows = request(proc, "jobs/j/step-3/", source, sorted(blobs))
+        assert rows == [{"path": rel, "key": f"jobs/j/step-3/{rel}", "bytes": len(blobs[rel]),
+                         "sha256": hashlib.sha256(blobs[rel]).hexdigest()} for rel in sorted(blobs)] + [{"done": 0}]
+        assert store.get_bytes("jobs/j/step-3/global_step3/model_states.pt") == blobs["global_step3/model_states.pt"]
+        # A file that is not there ends its request with 3; the process serves the next one.
+        rows = request(proc, "jobs/j/step-4/", source, ["latest", "not-there"])
+        assert [r.get("path") for r in rows[:-1]] == ["latest"] and rows[-1] == {"done": 3}
+        assert request(proc, "jobs/j/step-5/", source, ["latest"])[-1] == {"done": 0}
+        assert store.get_bytes("jobs/j/step-5/latest") == b"global_step3"
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # the caller is done: it exits
+        assert proc.wait(timeout=10) == 0
 
 
 def test_the_push_process_retries_a_store_it_cannot_reach_and_ends_when_its_caller_does(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
     port = free_port()  # nothing listens there
-    unreachable = Store("s3://bucket/p", f"http://127.0.0.1:{port}")
-    proc = push(unreachable, "k/", tmp_path)
+    proc = push(Store("s3://bucket/p", f"http://127.0.0.1:{port}"))
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(["f"]) + "\n")
+    proc.stdin.write(json.dumps({"prefix": "k/", "source": str(tmp_path), "files": ["f"]}) + "\n")
     proc.stdin.flush()
     failing = json.loads(proc.stdout.readline())
     assert "failing" in failing and failing["failing"], failing
     assert proc.poll() is None  # still retrying
-    proc.stdin.close()  # what a caller's death does to it
-    assert proc.wait(timeout=10) == 1
+    proc.stdin.close()  # what its caller's death does to it, mid-request
+    proc.wait(timeout=10)

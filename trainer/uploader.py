@@ -2,14 +2,14 @@
 
 After a local save (every rank wrote its files; barrier) the first process of each node uploads the files its
 node's ranks wrote to `jobs/<job id>/checkpoints/.attempt-N/step-K/<path>` from a thread of its own, so the next
-training step does not wait; the bytes move in a child process, `python -m store.push`, since reading, hashing and
-sending them inside the training process would take the GIL from the training loop. Every node but the first
-then writes its part list `…/parts/node-R.json`. Rank 0's thread (node 0's uploader) waits for the other nodes'
-part lists, checks the job's fence in the store (an attempt that was superseded commits nothing), writes the
-manifest `jobs/<job id>/checkpoints/step-K.attempt-N.json` and only then emits the `checkpoint` event, with what
-the save cost (`waited_s` for the previous upload, `save_s` for the local save) and how long the upload and commit
-took (`upload_s`). A failing store delays the commit (retried with backoff until the job ends) and never fails a
-step; at most one checkpoint is in flight, so the next save first waits for the previous upload.
+training step does not wait; the bytes move in a child process kept for the trainer's life, `python -m store.push`
+(why: its docstring). Every node but the first then writes its part list `…/parts/node-R.json`. Rank 0's thread
+(node 0's uploader) waits for the other nodes' part lists, checks the job's fence in the store (an attempt that was
+superseded commits nothing), writes the manifest `jobs/<job id>/checkpoints/step-K.attempt-N.json` and only then
+emits the `checkpoint` event, with what the save cost (`waited_s` for the previous upload, `save_s` for the local
+save) and how long the upload and commit took (`upload_s`). A failing store delays the commit (retried with backoff
+until the job ends) and never fails a step; at most one checkpoint is in flight, so the next save first waits for
+the previous upload.
 
 Which node owns a file: the lowest node rank that sees it in its staging folder. On a disk all nodes share
 (one host) node 0 sees every file and uploads them all; on hosts of their own each node sees only what its
@@ -73,7 +73,7 @@ class Uploads:
         self._stop = threading.Event()
         self._failing = threading.Event()  # the store's last call failed (set until one succeeds)
         self._lock = threading.Lock()
-        self._child: subprocess.Popen[str] | None = None  # the running `store.push`, which `finish` may kill
+        self._child: subprocess.Popen[str] | None = None  # `store.push`, kept from the first upload to `finish`
 
     @classmethod
     def for_run(cls, run_spec: RunSpec, rank: int) -> Uploads | None:
@@ -127,6 +127,7 @@ class Uploads:
         """Before the process exits: the pending commit, waited for at most `timeout` seconds. True when nothing
         is left pending; otherwise that checkpoint is simply not committed."""
         if self._thread is None:
+            self._end_pusher(kill=False)
             return True
         end = time.monotonic() + timeout
         # A store that is failing now gets no more of the job's time: this checkpoint only matters to a resume,
@@ -134,13 +135,12 @@ class Uploads:
         while self._thread.is_alive() and time.monotonic() < end and not self._failing.is_set():
             self._thread.join(min(1.0, max(0.0, end - time.monotonic())))
         if self._thread.is_alive():
-            with self._lock:
-                self._stop.set()
-                if self._child is not None:
-                    self._child.kill()
+            self._stop.set()
+            self._end_pusher(kill=True)
             why = "the store is failing" if self._failing.is_set() else f"it did not finish within {timeout:.0f} s"
             _say(f"the upload of a checkpoint was given up at the trainer's end ({why}); it is not committed")
             return False
+        self._end_pusher(kill=False)
         return True
 
     # -- the thread ------------------------------------------------------------------------------------------
@@ -190,24 +190,19 @@ class Uploads:
 
     def _push(self, prefix: str, p: Pending) -> list[stored.ManifestFile]:
         """This node's files, uploaded by `python -m store.push`, out of the training process's interpreter (why:
-        store/push.py). Its reports keep `_failing` current; `finish` kills it when it gives the upload up."""
-        argv = [sys.executable, "-m", "store.push", "--store", self.store.absolute_url, "--prefix", prefix,
-                "--source", str(p.source)]
-        if self.store.endpoint:
-            argv += ["--endpoint", self.store.endpoint]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with self._lock:
-            if self._stop.is_set():
-                raise _Stopped
-            child = self._child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                                   text=True)
+        store/push.py). Its reports keep `_failing` current; `finish` ends it."""
+        child = self._pusher()
         assert child.stdin is not None and child.stdout is not None
-        files, failures = [], 0
+        files: list[stored.ManifestFile] = []
+        failures, code = 0, None
         try:
-            child.stdin.write(json.dumps(p.files) + "\n")
+            child.stdin.write(json.dumps({"prefix": prefix, "source": str(p.source), "files": p.files}) + "\n")
             child.stdin.flush()
             for line in child.stdout:
                 row = json.loads(line)
+                if "done" in row:
+                    code = row["done"]
+                    break
                 if "failing" in row:
                     self._failing.set()
                     failures += 1
@@ -216,22 +211,46 @@ class Uploads:
                     continue
                 self._failing.clear()
                 files.append(stored.ManifestFile(row["path"], row["key"], row["bytes"], row["sha256"]))
-            code = child.wait()
-        finally:
-            with self._lock:
-                self._child = None
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            child.stdin.close()
+        except OSError:
+            pass  # it was ended (by `finish`) or died: said below
         if self._stop.is_set():
             raise _Stopped
         if code == push.FILE_GONE:
             # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
             raise FileNotFoundError(f"a file of {p.source} is gone before it was uploaded")
-        if code != 0 or len(files) != len(p.files):
-            raise RuntimeError(f"the upload process exited {code} after {len(files)} of {len(p.files)} files")
+        if code != push.DONE or len(files) != len(p.files):
+            raise RuntimeError(f"the upload process ended (exit status {child.poll()}) after {len(files)} of "
+                               f"{len(p.files)} files")
         return files
+
+    def _pusher(self) -> subprocess.Popen[str]:
+        """The upload process, started at the first upload and kept for the next ones (started again if it died)."""
+        with self._lock:
+            if self._stop.is_set():
+                raise _Stopped
+            if self._child is None or self._child.poll() is not None:
+                argv = [sys.executable, "-m", "store.push", "--store", self.store.absolute_url]
+                if self.store.endpoint:
+                    argv += ["--endpoint", self.store.endpoint]
+                path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+                self._child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                               env={**os.environ, "PYTHONPATH": path})
+            return self._child
+
+    def _end_pusher(self, *, kill: bool) -> None:
+        with self._lock:
+            child, self._child = self._child, None
+        if child is None:
+            return
+        if kill:
+            child.kill()
+        elif child.stdin is not None:
+            child.stdin.close()  # its end of the protocol: it exits at once
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
     def _commit(self, p: Pending, own: list[stored.ManifestFile], started: float) -> None:
         files = list(own)
