@@ -6,7 +6,8 @@ real trainer under the DeepSpeed launcher on the same job once per mode, each in
 
 - `none`: no checkpoint at all;
 - `local`: no store; the save is DeepSpeed's save on the node's disk (what every mode does first);
-- `beside`: the store set; each node's first process uploads the checkpoint in a thread while training goes on;
+- `beside`: the store set; each node's first process uploads the checkpoint while training goes on (a thread
+  that hands the bytes to its `store.push` process);
 - `sync`: the same, but the save returns only once the upload is committed (trainer/checkpoint.py's measuring seam).
 
 `--shape demo` is `make demo`'s job (the tiny Llama, two CPU processes); `llama1b` is the Llama-3.2-1B shape of
@@ -28,7 +29,7 @@ event says how long the save's own parts took):
 - `beyond_local_s` = `stall_s` − `save_s`, and `beyond_local_pct_of_step` = `beyond_local_s` / `step_s` × 100:
   the issue's figure for `beside` (target ≤ 10); for `local` it is the method's own residual (about 0); for
   `sync` it is the upload and commit, which the synchronous save waits for;
-- `upload_s`: how long the upload and commit took (in a thread for `beside`);
+- `upload_s`: how long the upload and commit took (beside training for `beside`);
 - `loop_s`: the time from the `started` event to the last step's progress; the summary's `vs_local_loop_s` for
   `beside` and `sync` compares runs with each other instead: (`loop_s` − `saves` × `save_s`) less the same for
   `local`, per save. It carries the runs' differences in start-up and step time, which the in-run figure does not.
