@@ -58,9 +58,14 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
         seen: dict[str, Any] = {}
 
         def on_event(event: dict[str, Any], proc: Any) -> None:
-            # Steps past the first save go on while its upload waits for the store; then the store comes back.
+            # Steps past the first save go on while its upload waits for the store; then the upload process, in
+            # the middle of retrying it, is killed, and the store comes back.
             if event["event"] == "progress" and event["step"] >= 6 and "restarted" not in seen:
                 seen["checkpoints_before"] = len(of(seen.setdefault("events", []), "checkpoint"))
+                pushers = [int(p.split(":")[0]) for p in job_processes(server.endpoint) if "store.push" in p]
+                for pid in pushers:
+                    os.kill(pid, signal.SIGKILL)
+                seen["killed"] = len(pushers)
                 seen["restarted"], seen["restarted_at"] = True, time.time()
                 threading.Thread(target=server.start_again, args=([bucket],), daemon=True).start()
             seen.setdefault("events", []).append(event)
@@ -68,6 +73,8 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
         rc, events, tail = launch(spec, on_event=on_event)
         assert rc == 0, tail
         assert seen.get("restarted") and seen["checkpoints_before"] == 0, "a checkpoint was committed while down"
+        # One upload process (node 0's), killed mid-request: another took the request over.
+        assert seen["killed"] == 1 and "the upload process ended (exit status -9)" in tail, tail[-4000:]
         assert not of(events, "error"), tail
         committed = of(events, "checkpoint")
         assert [c["step"] for c in committed] == [4, 8, 12], (committed, tail[-6000:])

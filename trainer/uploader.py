@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the project, which `python -m s
 # the upload), and after a SIGTERM, when the worker kills it once its grace (30 s by default) is over.
 FINAL_WAIT_SECONDS = 600.0
 STOP_WAIT_SECONDS = 20.0
+PUSH_TRIES = 3  # upload processes one checkpoint may use up: one that keeps dying will not be helped by more
 
 
 @dataclass(frozen=True)
@@ -190,19 +191,37 @@ class Uploads:
 
     def _push(self, prefix: str, p: Pending) -> list[stored.ManifestFile]:
         """This node's files, uploaded by `python -m store.push`, out of the training process's interpreter (why:
-        store/push.py). Its reports keep `_failing` current; `finish` ends it."""
-        child = self._pusher()
+        store/push.py). Its reports keep `_failing` current; `finish` ends it. A process that dies mid-request
+        (the OOM killer, an operator) is replaced and the request sent again, a few times."""
+        for tries in range(1, PUSH_TRIES + 1):
+            child = self._pusher()
+            files, code = self._request(child, prefix, p)
+            if self._stop.is_set():
+                raise _Stopped
+            if code == push.FILE_GONE:
+                # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
+                raise FileNotFoundError(f"a file of {p.source} is gone before it was uploaded")
+            if code == push.DONE and len(files) == len(p.files):
+                return files
+            status = self._drop(child)
+            _say(f"the upload process ended (exit status {status}) after {len(files)} of {len(p.files)} files of "
+                 f"{p.tag}" + ("; starting another" if tries < PUSH_TRIES else ""))
+            stored.sleep_backoff(tries, self._stop)
+        raise RuntimeError(f"the upload process ended {PUSH_TRIES} times before {p.tag} was uploaded")
+
+    def _request(self, child: subprocess.Popen[str], prefix: str,
+                 p: Pending) -> tuple[list[stored.ManifestFile], int | None]:
+        """One request to `child`: the files it stored and its `done` code (None: it ended without one)."""
         assert child.stdin is not None and child.stdout is not None
         files: list[stored.ManifestFile] = []
-        failures, code = 0, None
+        failures = 0
         try:
             child.stdin.write(json.dumps({"prefix": prefix, "source": str(p.source), "files": p.files}) + "\n")
             child.stdin.flush()
             for line in child.stdout:
                 row = json.loads(line)
                 if "done" in row:
-                    code = row["done"]
-                    break
+                    return files, int(row["done"])
                 if "failing" in row:
                     self._failing.set()
                     failures += 1
@@ -212,16 +231,19 @@ class Uploads:
                 self._failing.clear()
                 files.append(stored.ManifestFile(row["path"], row["key"], row["bytes"], row["sha256"]))
         except OSError:
-            pass  # it was ended (by `finish`) or died: said below
-        if self._stop.is_set():
-            raise _Stopped
-        if code == push.FILE_GONE:
-            # Removed under us (the local keep_last never reaches the newest tag): waiting cannot bring it back.
-            raise FileNotFoundError(f"a file of {p.source} is gone before it was uploaded")
-        if code != push.DONE or len(files) != len(p.files):
-            raise RuntimeError(f"the upload process ended (exit status {child.poll()}) after {len(files)} of "
-                               f"{len(p.files)} files")
-        return files
+            pass  # it was ended (by `finish`) or died
+        return files, None
+
+    def _drop(self, child: subprocess.Popen[str]) -> int | None:
+        """Forget an upload process that ended (or would not answer); its exit status."""
+        with self._lock:
+            if self._child is child:
+                self._child = None
+        try:
+            return child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return child.wait()
 
     def _pusher(self) -> subprocess.Popen[str]:
         """The upload process, started at the first upload and kept for the next ones (started again if it died)."""
