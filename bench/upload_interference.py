@@ -26,8 +26,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 STORE_DIR = Path("/dev/shm/ft-upload-interference")
 
 
@@ -73,9 +70,10 @@ def upload_in_thread(blob: Path, done: threading.Event) -> None:
 
 
 def upload_in_process(blob: Path, done: threading.Event) -> None:
-    argv = ["taskset", "-c", "1", sys.executable, "-m", "store.push", "--store", f"file://{STORE_DIR}"]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ,
-                            "PYTHONPATH": str(ROOT)}, text=True)
+    from store import push
+    from store.objects import Store
+
+    proc = push.start(Store(f"file://{STORE_DIR}"), launcher=["taskset", "-c", "1"])
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"prefix": "", "source": str(blob.parent), "files": [blob.name]}) + "\n")
     proc.stdin.flush()

@@ -22,8 +22,10 @@ import argparse
 import json
 import os
 import queue
+import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,18 @@ from store.checkpoints import sleep_backoff
 from store.objects import Store, StoreError, error_line
 
 DONE, FILE_GONE = 0, 3
+ROOT = Path(__file__).resolve().parent.parent  # the project, which the process imports from
+
+
+def start(store: Store, launcher: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """This program as a child process uploading to `store`, its pipes open (text); `launcher` goes before the
+    interpreter (`taskset -c 1`, say)."""
+    argv = [*launcher, sys.executable, "-m", "store.push", "--store", store.absolute_url]
+    if store.endpoint:
+        argv += ["--endpoint", store.endpoint]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
 
 
 def _requests(into: queue.Queue[str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from store import push
 from store.cache import CacheFull, NodeCache
 from store.objects import Store, TooLarge
 from tests.helpers import free_port
@@ -149,13 +150,6 @@ def test_two_slots_fetching_the_same_object_at_once_download_it_once(store: Stor
     assert leftovers == []
 
 
-def push(store: Store) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "store.push", "--store", store.url]
-    if store.endpoint:
-        argv += ["--endpoint", store.endpoint]
-    return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
 def request(proc: subprocess.Popen[str], prefix: str, source: Path, files: list[str]) -> list[dict[str, Any]]:
     """One request, as the trainer sends it; the reports up to and with its `done` line."""
     assert proc.stdin is not None and proc.stdout is not None
@@ -173,7 +167,7 @@ def test_the_push_process_reports_each_file_it_stored_request_after_request(stor
     blobs = {"latest": b"global_step3", "global_step3/model_states.pt": os.urandom(9 << 20)}  # one multipart upload
     for rel, data in blobs.items():
         (source / rel).write_bytes(data)
-    proc = push(store)
+    proc = push.start(store)
     try:
         rows = request(proc, "jobs/j/step-3/", source, sorted(blobs))
         assert rows == [{"path": rel, "key": f"jobs/j/step-3/{rel}", "bytes": len(blobs[rel]),
@@ -193,7 +187,7 @@ def test_the_push_process_reports_each_file_it_stored_request_after_request(stor
 def test_the_push_process_retries_a_store_it_cannot_reach_and_ends_when_its_caller_does(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
     port = free_port()  # nothing listens there
-    proc = push(Store("s3://bucket/p", f"http://127.0.0.1:{port}"))
+    proc = push.start(Store("s3://bucket/p", f"http://127.0.0.1:{port}"))
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"prefix": "k/", "source": str(tmp_path), "files": ["f"]}) + "\n")
     proc.stdin.flush()

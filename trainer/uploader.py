@@ -43,7 +43,6 @@ from trainer import fence
 from trainer.events import emit
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parent.parent  # the project, which `python -m store.push` imports from
 # How long the trainer waits for a pending commit before it exits: after its last step (the export ran beside
 # the upload), and after a SIGTERM, when the worker kills it once its grace (30 s by default) is over.
 FINAL_WAIT_SECONDS = 600.0
@@ -229,21 +228,17 @@ class Uploads:
                         _say(f"store: uploading a file of {p.tag} failed ({row['failing']}); retrying")
                     continue
                 self._failing.clear()
-                files.append(stored.ManifestFile(row["path"], row["key"], row["bytes"], row["sha256"]))
+                files.append(stored.ManifestFile.from_json(row))
         except OSError:
             pass  # it was ended (by `finish`) or died
         return files, None
 
-    def _drop(self, child: subprocess.Popen[str]) -> int | None:
+    def _drop(self, child: subprocess.Popen[str]) -> int:
         """Forget an upload process that ended (or would not answer); its exit status."""
         with self._lock:
             if self._child is child:
                 self._child = None
-        try:
-            return child.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            return child.wait()
+        return _reap(child)
 
     def _pusher(self) -> subprocess.Popen[str]:
         """The upload process, started at the first upload and kept for the next ones (started again if it died)."""
@@ -251,12 +246,7 @@ class Uploads:
             if self._stop.is_set():
                 raise _Stopped
             if self._child is None or self._child.poll() is not None:
-                argv = [sys.executable, "-m", "store.push", "--store", self.store.absolute_url]
-                if self.store.endpoint:
-                    argv += ["--endpoint", self.store.endpoint]
-                path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-                self._child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                               env={**os.environ, "PYTHONPATH": path})
+                self._child = push.start(self.store)
             return self._child
 
     def _end_pusher(self, *, kill: bool) -> None:
@@ -268,11 +258,7 @@ class Uploads:
             child.kill()
         elif child.stdin is not None:
             child.stdin.close()  # its end of the protocol: it exits at once
-        try:
-            child.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _reap(child)
 
     def _commit(self, p: Pending, own: list[stored.ManifestFile], started: float) -> None:
         files = list(own)
@@ -334,6 +320,15 @@ class Uploads:
 
 class _Stopped(Exception):
     """The process is exiting: the pending checkpoint stays uncommitted."""
+
+
+def _reap(child: subprocess.Popen[str]) -> int:
+    """The exit status of an upload process that was ended or is ending; killed if it takes longer than 5 s."""
+    try:
+        return child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()
 
 
 def _staged_at(job_id: str, key: str) -> tuple[int, int] | None:
