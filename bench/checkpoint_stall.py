@@ -128,7 +128,8 @@ def loop_seconds(events: list[dict[str, Any]], steps: int) -> float:
     return last - started
 
 
-def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | None) -> dict[str, Any]:
+def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | None,
+           window_s: float = 20.0) -> dict[str, Any]:
     """The run against itself: its step time before the first save, and what each save in the window added."""
     ts = {e["step"]: e["ts"] for e in events if e.get("event") == EventKind.PROGRESS}
     saves = len(range(every, steps, every)) if every else 0
@@ -152,7 +153,52 @@ def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | Non
                beyond_local_pct_of_step=round(100 * (stall - save) / step, 1))
     if "upload_s" in marks[0]:
         row["upload_s"] = round(statistics.median(e["upload_s"] for e in marks), 3)
+    row.update(overlap(ts, skip, steps, every, marks, window_s))
+    # The raw timings, so another estimator can be run over a device call's lines later.
+    row["progress_ts"] = {b: round(ts[b] - ts[skip], 3) for b in seen}
+    row["checkpoint_ts"] = [round(e["ts"] - ts[skip], 3) for e in marks]
     return row
+
+
+def overlap(ts: dict[int, float], skip: int, steps: int, every: int, marks: list[dict[str, Any]],
+            window_s: float) -> dict[str, Any]:
+    """The steps that ran while an upload did, each against the run's clean steps (before the first save, and after
+    the last upload ended). Unlike `stall_s`, an error in the clean step time is multiplied only by the steps the
+    upload overlapped, not by every step of the window, and the local save is not in it at all.
+
+    A save ends about one step before the first progress after it; its upload ends at its `checkpoint` event (the
+    commit). A run with no upload (`local`) gets a window of `window_s` after each save instead: what the same steps
+    cost there (the page cache writing the save back, for one) is the method's residual.
+    """
+    seen = sorted(s for s in ts if skip <= s <= steps)
+    pairs = list(itertools.pairwise(seen))
+    first = min((b for b in seen if b > every), default=None)
+    if first is None:
+        return {}
+    clean_before = [(b - a, ts[b] - ts[a]) for a, b in pairs if b <= every]
+    step0 = statistics.median(dt / n for n, dt in clean_before)
+    windows = []
+    for e in marks:
+        after = min(b for b in seen if b > e["step"])
+        start = ts[after] - step0
+        end = e["ts"] if "upload_s" in e else start + window_s
+        windows.append((after, start, end))
+    inside, clean = [], list(clean_before)
+    for a, b in pairs:
+        if b <= every:
+            continue
+        if any(a >= first_after and ts[a] < end for first_after, _, end in windows):
+            inside.append((b - a, ts[b] - ts[a]))
+        elif ts[a] >= max(end for _, _, end in windows):
+            clean.append((b - a, ts[b] - ts[a]))
+    if not inside or len(clean) < 3:
+        return {"overlap_steps": sum(n for n, _ in inside)}
+    step = statistics.median(dt / n for n, dt in clean)
+    cost = sum(dt - n * step for n, dt in inside) / len(marks)
+    steps_in = sum(n for n, _ in inside)
+    return {"overlap_steps": steps_in, "clean_steps": sum(n for n, _ in clean), "clean_step_s": round(step, 4),
+            "overlap_step_s": round(sum(dt for _, dt in inside) / steps_in, 4),
+            "overlap_cost_s": round(cost, 3), "overlap_cost_pct_of_step": round(100 * cost / step, 1)}
 
 
 def checkpoint_bytes(folder: Path) -> int | None:
@@ -166,7 +212,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], shape: str, store: str) -> 
                                "runs": {mode: len(rows) for mode, rows in runs.items()}, "target_beside_pct": "<= 10"}
     for mode, rows in runs.items():
         summary[mode] = {key: round(statistics.median(r[key] for r in rows), 4)
-                         for key in rows[0] if isinstance(rows[0][key], (int, float))}
+                         for key in rows[0]
+                         if isinstance(rows[0][key], (int, float)) and all(key in r for r in rows)}
     local = summary.get("local")
     for mode in ("beside", "sync"):
         # The runs compared with each other instead: each loop less its own local saves, against `local`'s.
@@ -203,6 +250,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="rounds of every mode; each figure is the median")
     p.add_argument("--skip", type=int, default=5, help="steps before the in-run step time is measured")
     p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    p.add_argument("--window", type=float, default=20.0,
+                   help="seconds after a save that a run without an upload measures as its overlap (the residual)")
     p.add_argument("--work", default=None)
     p.add_argument("--store-root", default=None, help="the folder store's folder (default: under --work)")
     p.add_argument("--summarize", nargs="+", metavar="JSONL", help="only summarize these files' run lines")
@@ -235,7 +284,7 @@ def main() -> None:
                     spec = base.model_copy(deep=True)
                     spec.job.spec.checkpointing.every_steps = None
                 events = run_mode(mode, spec, work, store, gpus)
-                row = in_run(events, a.steps, a.skip, None if mode == "none" else a.every)
+                row = in_run(events, a.steps, a.skip, None if mode == "none" else a.every, a.window)
                 row["checkpoint_bytes"] = checkpoint_bytes(work / mode / "checkpoints")
                 runs[mode].append(row)
                 print(json.dumps({"figure": "checkpoint stall run", "shape": a.shape, "store": a.store, "mode": mode,
