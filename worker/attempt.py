@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import signal
 import subprocess
@@ -39,12 +38,11 @@ from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.ops import extensions_dir, release_stale_build_locks
 from worker.outcome import Outcome, Status, classify_failure, read_completion
-from worker.process import GangLaunch, kill_group, launcher_argv, spawn, wait_group_gone
+from worker.process import GangLaunch, kill_group, launcher_argv, project_env, spawn, wait_group_gone
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FENCED = "FENCED"  # left in the attempt's folder by the guard that ended it (worker/guard.py)
 # After a rank of a multi-node attempt reported its error, how long this node's processes get to exit by
 # themselves: the world is broken, and a rank whose peer died can hang in its process group's teardown.
@@ -295,8 +293,7 @@ class Attempt:
     def launch(self, spec: RunSpec, spec_file: Path, log_dir: Path, ext_dir: Path,
                gang: GangLaunch | None) -> Launched:
         s = self.settings
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(ext_dir),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+        env = project_env(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(ext_dir))
         if spec.placement is not None and spec.placement.kind != "cpu":
             # The launcher would otherwise read it as the devices to use; --include names them instead.
             env.pop("CUDA_VISIBLE_DEVICES", None)

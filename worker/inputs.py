@@ -7,7 +7,6 @@ Every node of a job fetches its own copy: no node reads another's disk."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -20,12 +19,10 @@ from contract.spec import ResolvedJob, StoredModel
 from store.cache import NodeCache
 from store.checkpoints import tag_for
 from store.objects import error_line
+from worker.process import PROJECT_ROOT, project_env
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class InputUnavailable(Exception):
@@ -91,10 +88,9 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
 def _model_from_checkpoint(settings: WorkerSettings, base: StoredModel, tag_dir: Path, model_dir: Path) -> None:
     """The model folder of a checkpoint, built by a process of its own (worker/from_checkpoint.py): torch and the
     weights' memory stay out of the worker."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([settings.python or sys.executable, "-m", "worker.from_checkpoint", str(tag_dir),
-                           str(model_dir)], cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True)
+                           str(model_dir)], cwd=PROJECT_ROOT, env=project_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         raise BaseModelUnusable(f"model.name_or_path: job {base.job_id}'s checkpoint at step {base.step} could not be "

@@ -14,6 +14,15 @@ from pathlib import Path
 from contract.spec import NodeShare
 from worker.priority import Priority, command
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the project first on PYTHONPATH, for a child that runs one of its modules
+    (the trainer, a helper program) from another working directory."""
+    path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
 
 def free_port() -> int:
     with socket.socket() as s:
