@@ -78,11 +78,12 @@ def demo_spec(work: Path, steps: int, every: int) -> RunSpec:
     return RunSpec(job=resolved, paths={"job_dir": "", "checkpoint_dir": "", "output_dir": ""})
 
 
-def gpu_spec(work: Path, shape: str, steps: int, every: int) -> RunSpec:
+def gpu_spec(work: Path, shape: str, steps: int, every: int, micro: int) -> RunSpec:
     from bench.run_trainer import build_run, parser
 
-    # Micro batch 32: what the job's `auto` probe picks for this shape on an H200, without the probe's start-up.
-    args = parser().parse_args(["--model", shape, "--zero", "2", "--steps", str(steps), "--micro", "32",
+    # A fixed micro batch (32 is what the job's `auto` probe picks for the 1B shape on an H200; 16 fits an H100's
+    # memory), without the probe's start-up.
+    args = parser().parse_args(["--model", shape, "--zero", "2", "--steps", str(steps), "--micro", str(micro),
                                 "--work", str(work)])
     run = RunSpec.model_validate_json(build_run(args, work).read_text())
     # One checkpoint kept: a 1B full fine-tune's checkpoint is ~17 GB, and the store holds a copy of it.
@@ -252,6 +253,7 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
     p.add_argument("--window", type=float, default=20.0,
                    help="seconds after a save that a run without an upload measures as its overlap (the residual)")
+    p.add_argument("--micro", type=int, default=32, help="a GPU shape's micro batch (global batch 32)")
     p.add_argument("--work", default=None)
     p.add_argument("--store-root", default=None, help="the folder store's folder (default: under --work)")
     p.add_argument("--summarize", nargs="+", metavar="JSONL", help="only summarize these files' run lines")
@@ -266,7 +268,7 @@ def main() -> None:
         if a.shape == "demo":
             base, gpus = demo_spec(work, a.steps, a.every), 2
         else:
-            base, gpus = gpu_spec(work, a.shape, a.steps, a.every), 1
+            base, gpus = gpu_spec(work, a.shape, a.steps, a.every, a.micro), 1
         if a.store == "s3":
             from tests.s3_support import CREDENTIALS, S3Server
 

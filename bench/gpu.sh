@@ -93,6 +93,7 @@ for stage in "$@"; do
       # since the scratch disk cannot hold two local checkpoints and two stored copies of 17 GB
       timeout "${STALL_LIMIT:-570}" python3 -m bench.checkpoint_stall --shape llama1b --store file \
         --store-root /dev/shm/ftstore --steps 56 --every 25 --skip 10 --window 18 --repeats 1 --modes "${STALL_MODES:-local,beside}" \
+        --micro "${STALL_MICRO:-32}" \
         > "$LOGS/checkpoint_stall.out" 2> "$LOGS/checkpoint_stall.err"
       grep -h '^{"figure"' "$LOGS/checkpoint_stall.out" | tee -a "$OUT/results.jsonl" ;;
     *) echo "unknown stage $stage" ;;
