@@ -30,6 +30,11 @@ event says how long the save's own parts took):
   the issue's figure for `beside` (target ≤ 10); for `local` it is the method's own residual (about 0); for
   `sync` it is the upload and commit, which the synchronous save waits for;
 - `upload_s`: how long the upload and commit took (beside training for `beside`);
+- `overlap_cost_s` (and `overlap_cost_pct_of_step`): per save, the time the steps that ran beside its upload took
+  beyond as many of the run's clean steps (`clean_step_s`, the median of the steps before the first save and after
+  the last upload). The local save is not in it, and an error in the clean step time is multiplied only by
+  `overlap_steps`, not by every step of the window. `local` gets the `--window` seconds after its save instead: its
+  figure is the method's residual (what the page cache writing the save back costs, for one);
 - `loop_s`: the time from the `started` event to the last step's progress; the summary's `vs_local_loop_s` for
   `beside` and `sync` compares runs with each other instead: (`loop_s` − `saves` × `save_s`) less the same for
   `local`, per save. It carries the runs' differences in start-up and step time, which the in-run figure does not.
