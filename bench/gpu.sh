@@ -89,10 +89,10 @@ for stage in "$@"; do
         --seq 1024 --global-batch 8 --micro 8 --lr 1e-4 --warmup 30 --steps "${CURVE_STEPS:-300}" --skip 20 \
         --val-fraction 0.05 --eval-every 25 --label "curve_$opt" --events "$LOGS/$stage.events.jsonl" ;;
     checkpoint_stall)  # the Llama-3.2-1B shape, one save inside the timed window (step 25 of 56) whose upload ends
-      # inside it too; STALL_MODES runs (default local,beside), each measured against itself; the store on tmpfs,
+      # inside it too; STALL_MODES runs in turn (default beside,local), each measured against itself; the store on tmpfs,
       # since the scratch disk cannot hold two local checkpoints and two stored copies of 17 GB
       timeout "${STALL_LIMIT:-570}" python3 -m bench.checkpoint_stall --shape llama1b --store file \
-        --store-root /dev/shm/ftstore --steps 56 --every 25 --skip 10 --window 18 --repeats 1 --modes "${STALL_MODES:-local,beside}" \
+        --store-root /dev/shm/ftstore --steps 56 --every 25 --skip 10 --window 18 --repeats 1 --modes "${STALL_MODES:-beside,local}" \
         --micro "${STALL_MICRO:-32}" \
         > "$LOGS/checkpoint_stall.out" 2> "$LOGS/checkpoint_stall.err"
       grep -h '^{"figure"' "$LOGS/checkpoint_stall.out" | tee -a "$OUT/results.jsonl" ;;
