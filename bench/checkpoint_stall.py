@@ -159,51 +159,64 @@ def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | Non
                beyond_local_pct_of_step=round(100 * (stall - save) / step, 1))
     if "upload_s" in marks[0]:
         row["upload_s"] = round(statistics.median(e["upload_s"] for e in marks), 3)
-    row.update(overlap(ts, skip, steps, every, marks, window_s))
-    # The raw timings, so another estimator can be run over a device call's lines later.
-    row["progress_ts"] = {b: round(ts[b] - ts[skip], 3) for b in seen}
+    # The raw timings, so `--summarize` can run the estimators again over a device call's lines.
+    row["progress_ts"] = {b: round(ts[b] - ts[skip], 3) for b in seen if b <= steps}
     row["checkpoint_ts"] = [round(e["ts"] - ts[skip], 3) for e in marks]
+    row["save_steps"] = [e["step"] for e in marks]
+    row["window_s"] = window_s
+    row.update(overlap_of(row))
     return row
 
 
-def overlap(ts: dict[int, float], skip: int, steps: int, every: int, marks: list[dict[str, Any]],
+def overlap_of(row: dict[str, Any]) -> dict[str, Any]:
+    """`overlap` over a run line's raw timings."""
+    ts = {int(step): t for step, t in row["progress_ts"].items()}
+    return overlap(ts, row["save_steps"], row["checkpoint_ts"], "upload_s" in row, row["window_s"])
+
+
+def overlap(ts: dict[int, float], save_steps: list[int], commits: list[float], uploads: bool,
             window_s: float) -> dict[str, Any]:
-    """The steps that ran while an upload did, each against the run's clean steps (before the first save, and after
-    the last upload ended). Unlike `stall_s`, an error in the clean step time is multiplied only by the steps the
-    upload overlapped, not by every step of the window, and the local save is not in it at all.
+    """The steps that ran while an upload did, against the run's clean steps (those that ran beside no save and no
+    upload). Unlike `stall_s`, an error in the clean step time is multiplied only by the steps the upload
+    overlapped, not by every step of the window, and the local save is not in it at all.
 
     A save ends about one step before the first progress after it; its upload ends at its `checkpoint` event (the
     commit). A run with no upload (`local`) gets a window of `window_s` after each save instead: what the same steps
-    cost there (the page cache writing the save back, for one) is the method's residual.
+    cost there (the page cache writing the save back, for one) is the method's residual. Only windows that closed
+    before the last step are counted; the steps of one still open are neither clean nor counted.
     """
-    seen = sorted(s for s in ts if skip <= s <= steps)
-    pairs = list(itertools.pairwise(seen))
-    first = min((b for b in seen if b > every), default=None)
-    if first is None:
+    seen = sorted(ts)
+    pairs = [(a, b, b - a, ts[b] - ts[a]) for a, b in itertools.pairwise(seen)]
+    before = [dt / n for a, b, n, dt in pairs if b <= save_steps[0]]
+    if not before:
         return {}
-    clean_before = [(b - a, ts[b] - ts[a]) for a, b in pairs if b <= every]
-    step0 = statistics.median(dt / n for n, dt in clean_before)
+    step0 = statistics.median(before)
     windows = []
-    for e in marks:
-        after = min(b for b in seen if b > e["step"])
+    for save, commit in zip(save_steps, commits, strict=True):
+        after = min((b for b in seen if b > save), default=None)
+        if after is None:
+            break
         start = ts[after] - step0
-        end = e["ts"] if "upload_s" in e else start + window_s
-        windows.append((after, start, end))
-    inside, clean = [], list(clean_before)
-    for a, b in pairs:
-        if b <= every:
-            continue
-        if any(a >= first_after and ts[a] < end for first_after, _, end in windows):
-            inside.append((b - a, ts[b] - ts[a]))
-        elif ts[a] >= max(end for _, _, end in windows):
-            clean.append((b - a, ts[b] - ts[a]))
-    if not inside or len(clean) < 3:
-        return {"overlap_steps": sum(n for n, _ in inside)}
-    step = statistics.median(dt / n for n, dt in clean)
-    cost = sum(dt - n * step for n, dt in inside) / len(marks)
-    steps_in = sum(n for n, _ in inside)
-    return {"overlap_steps": steps_in, "clean_steps": sum(n for n, _ in clean), "clean_step_s": round(step, 4),
-            "overlap_step_s": round(sum(dt for _, dt in inside) / steps_in, 4),
+        windows.append((after, commit if uploads else start + window_s))
+    inside: list[list[tuple[int, float]]] = [[] for _ in windows]
+    clean = []
+    for a, b, n, dt in pairs:
+        if any(a <= save < b for save in save_steps):
+            continue  # the interval that holds the save itself
+        k = next((k for k, (after, end) in enumerate(windows) if a >= after and ts[a] < end), None)
+        if k is None:
+            clean.append(dt / n)
+        else:
+            inside[k].append((n, dt))
+    closed = [rows for (_, end), rows in zip(windows, inside, strict=True) if end <= ts[seen[-1]] and rows]
+    if not closed or len(clean) < 3:
+        return {"overlap_saves": len(closed)}
+    step = statistics.median(clean)
+    steps_in = sum(n for rows in closed for n, _ in rows)
+    cost = sum(dt - n * step for rows in closed for n, dt in rows) / len(closed)
+    return {"overlap_saves": len(closed), "overlap_steps": steps_in, "clean_steps": len(clean),
+            "clean_step_s": round(step, 4),
+            "overlap_step_s": round(sum(dt for rows in closed for _, dt in rows) / steps_in, 4),
             "overlap_cost_s": round(cost, 3), "overlap_cost_pct_of_step": round(100 * cost / step, 1)}
 
 
@@ -233,7 +246,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], shape: str, store: str) -> 
     return summary
 
 
-def summarize_files(paths: list[str]) -> None:
+def summarize_files(paths: list[str], window_s: float) -> None:
     """The summary of run lines other invocations printed (a device call fits a round or two, not five)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     shape = store = ""
@@ -243,6 +256,14 @@ def summarize_files(paths: list[str]) -> None:
             if row.get("figure") == "checkpoint stall run":
                 shape, store, mode = row.pop("shape"), row.pop("store"), row.pop("mode")
                 row.pop("figure")
+                if "progress_ts" in row and "save_steps" not in row:
+                    # Lines written before the run line named them: a save is one of the longest intervals.
+                    ts = {int(step): t for step, t in row["progress_ts"].items()}
+                    gaps = sorted(itertools.pairwise(sorted(ts)), key=lambda ab: ts[ab[1]] - ts[ab[0]])
+                    row["save_steps"] = sorted(a for a, _ in gaps[-row["saves"]:])
+                    row["window_s"] = window_s
+                if "save_steps" in row:
+                    row.update(overlap_of(row))
                 runs.setdefault(mode, []).append(row)
     print(json.dumps(summarize({m: runs[m] for m in MODES if m in runs}, shape, store)), flush=True)
 
@@ -264,7 +285,7 @@ def main() -> None:
     p.add_argument("--summarize", nargs="+", metavar="JSONL", help="only summarize these files' run lines")
     a = p.parse_args()
     if a.summarize:
-        return summarize_files(a.summarize)
+        return summarize_files(a.summarize, a.window)
     work = Path(a.work or tempfile.mkdtemp(prefix="ft-ckpt-stall-"))
     work.mkdir(parents=True, exist_ok=True)
     store_root = Path(a.store_root) if a.store_root else work / "store"
