@@ -48,7 +48,7 @@ OWNER = "fuzz-owner-7f3a"
 TOKEN = fixed_key("fuzz")  # an admin key of its own owner, stored in the fuzzed API's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 QUEUE = "fuzz-parked"  # no worker serves it
-# Examples per operation and mode: the 15 operations with inputs get 400 each; the two probes have one input.
+# Examples per operation and mode: every operation gets the positive ones, those with inputs the negative ones too.
 EXAMPLES = {GenerationMode.POSITIVE: 250, GenerationMode.NEGATIVE: 150}
 MIN_REQUESTS = 2000
 # ignored_auth re-sends a successful request without the token (once per operation) and expects a 401.
