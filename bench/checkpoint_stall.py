@@ -31,10 +31,11 @@ event says how long the save's own parts took):
   `sync` it is the upload and commit, which the synchronous save waits for;
 - `upload_s`: how long the upload and commit took (beside training for `beside`);
 - `overlap_cost_s` (and `overlap_cost_pct_of_step`): per save, the time the steps that ran beside its upload took
-  beyond as many of the run's clean steps (`clean_step_s`, the median of the steps before the first save and after
-  the last upload). The local save is not in it, and an error in the clean step time is multiplied only by
-  `overlap_steps`, not by every step of the window. `local` gets the `--window` seconds after its save instead: its
-  figure is the method's residual (what the page cache writing the save back costs, for one);
+  beyond as many of the run's clean steps (`clean_step_s`, the median of every step that ran beside no save and no
+  upload), over the uploads that ended before the last step (`overlap_saves`). The local save is not in it, and an
+  error in the clean step time is multiplied only by `overlap_steps`, not by every step of the window. `local` gets
+  the `--window` seconds after its save instead: its figure is the method's residual (what the page cache writing
+  the save back costs, for one);
 - `loop_s`: the time from the `started` event to the last step's progress; the summary's `vs_local_loop_s` for
   `beside` and `sync` compares runs with each other instead: (`loop_s` − `saves` × `save_s`) less the same for
   `local`, per save. It carries the runs' differences in start-up and step time, which the in-run figure does not.
@@ -135,7 +136,7 @@ def loop_seconds(events: list[dict[str, Any]], steps: int) -> float:
 
 
 def in_run(events: list[dict[str, Any]], steps: int, skip: int, every: int | None,
-           window_s: float = 20.0) -> dict[str, Any]:
+           window_s: float) -> dict[str, Any]:
     """The run against itself: its step time before the first save, and what each save in the window added."""
     ts = {e["step"]: e["ts"] for e in events if e.get("event") == EventKind.PROGRESS}
     saves = len(range(every, steps, every)) if every else 0
