@@ -10,6 +10,9 @@ real trainer under the DeepSpeed launcher on the same job once per mode, each in
   that hands the bytes to its `store.push` process);
 - `sync`: the same, but the save returns only once the upload is committed (trainer/checkpoint.py's measuring seam).
 
+A mode written `MODE@N` runs with OMP_NUM_THREADS=N in the ranks (their intra-op thread pools), a variant summarized
+on its own.
+
 `--shape demo` is `make demo`'s job (the tiny Llama, two CPU processes); `llama1b` is the Llama-3.2-1B shape of
 bench/run_trainer.py (ZeRO-2, bf16, one GPU). The store is a moto S3 server this script starts (`s3`) or a folder
 (`file`).
@@ -97,7 +100,8 @@ def gpu_spec(work: Path, shape: str, steps: int, every: int, micro: int) -> RunS
     return run
 
 
-def run_mode(mode: str, base: RunSpec, work: Path, store: dict[str, Any] | None, gpus: int) -> list[dict[str, Any]]:
+def run_mode(mode: str, base: RunSpec, work: Path, store: dict[str, Any] | None, gpus: int,
+             threads: int | None = None) -> list[dict[str, Any]]:
     job_dir = work / mode
     shutil.rmtree(job_dir, ignore_errors=True)
     job_dir.mkdir(parents=True)
@@ -110,6 +114,8 @@ def run_mode(mode: str, base: RunSpec, work: Path, store: dict[str, Any] | None,
     spec_file.write_text(spec.model_dump_json())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop(SYNC_UPLOAD_ENV, None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # torch sizes its intra-op pool by it at start
     if mode == "sync":
         env[SYNC_UPLOAD_ENV] = "1"
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus), "--module", "trainer",
@@ -257,6 +263,8 @@ def summarize_files(paths: list[str], window_s: float) -> None:
             if row.get("figure") == "checkpoint stall run":
                 shape, store, mode = row.pop("shape"), row.pop("store"), row.pop("mode")
                 row.pop("figure")
+                if threads := row.pop("threads", None):
+                    mode = f"{mode}@{threads}"
                 if "progress_ts" in row and "save_steps" not in row:
                     # Lines written before the run line named them: a save is one of the longest intervals.
                     ts = {int(step): t for step, t in row["progress_ts"].items()}
@@ -266,7 +274,8 @@ def summarize_files(paths: list[str], window_s: float) -> None:
                 if "save_steps" in row:
                     row.update(overlap_of(row))
                 runs.setdefault(mode, []).append(row)
-    print(json.dumps(summarize({m: runs[m] for m in MODES if m in runs}, shape, store)), flush=True)
+    order = sorted(runs, key=lambda m: (MODES.index(m.partition("@")[0]), m))
+    print(json.dumps(summarize({m: runs[m] for m in order}, shape, store)), flush=True)
 
 
 def main() -> None:
@@ -277,7 +286,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="rounds of every mode; each figure is the median")
     p.add_argument("--skip", type=int, default=5, help="steps before the in-run step time is measured")
-    p.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="a subset of " + ",".join(MODES) + ", in order; MODE@N: with OMP_NUM_THREADS=N")
     p.add_argument("--window", type=float, default=20.0,
                    help="seconds after a save that a run without an upload measures as its overlap (the residual)")
     p.add_argument("--micro", type=int, default=32, help="a GPU shape's micro batch (global batch 32)")
@@ -305,20 +315,21 @@ def main() -> None:
         else:
             store = {"url": f"file://{store_root}", "endpoint": None}
         # In the order given: a device call cut off by its limit keeps the modes that ran first.
-        modes = [m for m in a.modes.split(",") if m in MODES]
+        modes = [m for m in a.modes.split(",") if m.partition("@")[0] in MODES]
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         for _ in range(a.repeats):  # rounds of every mode in turn, so a slow minute of the machine hits all alike
-            for mode in modes:
+            for variant in modes:
+                mode, _, threads = variant.partition("@")
                 spec = base
                 if mode == "none":
                     spec = base.model_copy(deep=True)
                     spec.job.spec.checkpointing.every_steps = None
-                events = run_mode(mode, spec, work, store, gpus)
+                events = run_mode(mode, spec, work, store, gpus, int(threads) if threads else None)
                 row = in_run(events, a.steps, a.skip, None if mode == "none" else a.every, a.window)
                 row["checkpoint_bytes"] = checkpoint_bytes(work / mode / "checkpoints")
-                runs[mode].append(row)
+                runs[variant].append(row)
                 print(json.dumps({"figure": "checkpoint stall run", "shape": a.shape, "store": a.store, "mode": mode,
-                                  **row}), flush=True)
+                                  "threads": int(threads) if threads else None, **row}), flush=True)
                 shutil.rmtree(work / mode, ignore_errors=True)
                 if a.store == "file":
                     shutil.rmtree(store_root, ignore_errors=True)

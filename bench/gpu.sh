@@ -37,6 +37,7 @@ for stage in "$@"; do
       done
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/log.txt"
+      lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|L3)' | tee -a "$OUT/log.txt"
       python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__, deepspeed.__version__)" | tee -a "$OUT/log.txt" ;;
     seed) run seed 400 $L bench/seed_recipe.py --steps 30 ;;
     hf_llama1b) run hf_llama1b 400 $L bench/hf_trainer_ref.py --model llama1b --micro 8 --steps 25 ;;
@@ -88,14 +89,15 @@ for stage in "$@"; do
       run "$stage" "${CURVE_LIMIT:-560}" python3 -m bench.run_trainer --model llama1b --zero 2 --optimizer "$opt" --corpus stdlib \
         --seq 1024 --global-batch 8 --micro 8 --lr 1e-4 --warmup 30 --steps "${CURVE_STEPS:-300}" --skip 20 \
         --val-fraction 0.05 --eval-every 25 --label "curve_$opt" --events "$LOGS/$stage.events.jsonl" ;;
-    checkpoint_stall)  # the Llama-3.2-1B shape, one save inside the timed window (step 25 of 56) whose upload ends
-      # inside it too; STALL_MODES runs in turn (default beside,local), each measured against itself; the store on tmpfs,
-      # since the scratch disk cannot hold two local checkpoints and two stored copies of 17 GB
+    checkpoint_stall)  # the Llama-3.2-1B shape, saves at steps 25 and 50 of STALL_STEPS (default 56), each upload
+      # ending inside the window; STALL_MODES runs in turn (default beside,local), each measured against itself; the
+      # store on tmpfs, since the scratch disk cannot hold two local checkpoints and two stored copies of 17 GB.
+      # A mode MODE@N runs with the ranks' OMP_NUM_THREADS=N (unset: torch's default, one per core).
       timeout "${STALL_LIMIT:-570}" python3 -m bench.checkpoint_stall --shape llama1b --store file \
-        --store-root /dev/shm/ftstore --steps 56 --every 25 --skip 10 --window 18 --repeats 1 --modes "${STALL_MODES:-beside,local}" \
-        --micro "${STALL_MICRO:-32}" \
-        > "$LOGS/checkpoint_stall.out" 2> "$LOGS/checkpoint_stall.err"
-      grep -h '^{"figure"' "$LOGS/checkpoint_stall.out" | tee -a "$OUT/results.jsonl" ;;
+        --store-root /dev/shm/ftstore --steps "${STALL_STEPS:-56}" --every 25 --skip 10 --window 18 --repeats 1 \
+        --modes "${STALL_MODES:-beside,local}" --micro "${STALL_MICRO:-32}" \
+        > "$LOGS/$stage.out" 2> "$LOGS/$stage.err"
+      grep -h '^{"figure"' "$LOGS/$stage.out" | tee -a "$OUT/results.jsonl" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
