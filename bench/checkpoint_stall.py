@@ -10,8 +10,9 @@ real trainer under the DeepSpeed launcher on the same job once per mode, each in
   that hands the bytes to its `store.push` process);
 - `sync`: the same, but the save returns only once the upload is committed (trainer/checkpoint.py's measuring seam).
 
-A mode written `MODE@N` runs with OMP_NUM_THREADS=N in the ranks (their intra-op thread pools), a variant summarized
-on its own.
+A mode written `MODE@N` runs with OMP_NUM_THREADS=N in the ranks, a variant summarized on its own: the trainer keeps
+an operator's pool size, so `beside@16` on a 16-core host is the loop with torch's pool on every core, where by
+default an accelerator's loop runs on one thread (trainer/threads.py).
 
 `--shape demo` is `make demo`'s job (the tiny Llama, two CPU processes); `llama1b` is the Llama-3.2-1B shape of
 bench/run_trainer.py (ZeRO-2, bf16, one GPU). The store is a moto S3 server this script starts (`s3`) or a folder

@@ -27,6 +27,7 @@ from trainer.events import emit_rank0
 from trainer.fence import Fence
 from trainer.modeling import load_model, load_tokenizer, model_location
 from trainer.schedule import scheduler_factory
+from trainer.threads import loop_threads, pool_of
 
 # Dense bf16 peak FLOP/s per device, for MFU (trainer/flops.py says what each figure counts); an unknown device
 # reports the figures null rather than a guess.
@@ -149,6 +150,7 @@ class Try:
     n_trainable: int
     adjustments: list[str]
     swap_folder: Path | None
+    loop_threads: int | None = None  # the intra-op pool while the loop runs (trainer/threads.py); None: torch's
 
 
 @dataclass
@@ -324,11 +326,19 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
     del model  # the engine holds it; a retry must be able to free it
     _loop(session, Try(job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable,
-                       adjustments, swap_folder), guard)
+                       adjustments, swap_folder, loop_threads(get_accelerator().device_name(), zero_cfg)),
+          guard)
 
 
 def _loop(session: Session, run: Try, guard: Guard) -> None:
     loop = _begin(session, run, guard)
+    with pool_of(run.loop_threads):
+        _steps(session, run, guard, loop)
+    guard.active = False
+    _finish(session, run, loop)
+
+
+def _steps(session: Session, run: Try, guard: Guard, loop: Loop) -> None:
     state, order, train_blocks = loop.state, run.order, session.train_blocks
     while state.step < run.total_steps:
         global_rows = order.global_rows(state.epoch, state.next_batch)
@@ -350,8 +360,6 @@ def _loop(session: Session, run: Try, guard: Guard) -> None:
         loop.progress.window_pairs += float(loop.row_pairs[global_rows].sum())
         _report_progress_if_due(session, run, loop, lr)
         _between_steps(session, run, loop, stop_votes)
-    guard.active = False
-    _finish(session, run, loop)
 
 
 def _begin(session: Session, run: Try, guard: Guard) -> Loop:
