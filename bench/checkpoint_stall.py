@@ -320,17 +320,18 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         for _ in range(a.repeats):  # rounds of every mode in turn, so a slow minute of the machine hits all alike
             for variant in modes:
-                mode, _, threads = variant.partition("@")
+                mode, _, n = variant.partition("@")
+                threads = int(n) if n else None
                 spec = base
                 if mode == "none":
                     spec = base.model_copy(deep=True)
                     spec.job.spec.checkpointing.every_steps = None
-                events = run_mode(mode, spec, work, store, gpus, int(threads) if threads else None)
+                events = run_mode(mode, spec, work, store, gpus, threads)
                 row = in_run(events, a.steps, a.skip, None if mode == "none" else a.every, a.window)
                 row["checkpoint_bytes"] = checkpoint_bytes(work / mode / "checkpoints")
                 runs[variant].append(row)
                 print(json.dumps({"figure": "checkpoint stall run", "shape": a.shape, "store": a.store, "mode": mode,
-                                  "threads": int(threads) if threads else None, **row}), flush=True)
+                                  "threads": threads, **row}), flush=True)
                 shutil.rmtree(work / mode, ignore_errors=True)
                 if a.store == "file":
                     shutil.rmtree(store_root, ignore_errors=True)

@@ -92,7 +92,7 @@ for stage in "$@"; do
     checkpoint_stall)  # the Llama-3.2-1B shape, saves at steps 25 and 50 of STALL_STEPS (default 56), each upload
       # ending inside the window; STALL_MODES runs in turn (default beside,local), each measured against itself; the
       # store on tmpfs, since the scratch disk cannot hold two local checkpoints and two stored copies of 17 GB.
-      # A mode MODE@N runs with the ranks' OMP_NUM_THREADS=N (unset: torch's default, one per core).
+      # A mode MODE@N runs with the ranks' OMP_NUM_THREADS=N (unset: the trainer's own, trainer/threads.py).
       timeout "${STALL_LIMIT:-570}" python3 -m bench.checkpoint_stall --shape llama1b --store file \
         --store-root /dev/shm/ftstore --steps "${STALL_STEPS:-56}" --every 25 --skip 10 --window 18 --repeats 1 \
         --modes "${STALL_MODES:-beside,local}" --micro "${STALL_MICRO:-32}" \

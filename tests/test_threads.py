@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from contract.deepspeed import resolve
-from contract.spec import JobSpec
+from contract.spec import DeepSpeedOptions, JobSpec
 from trainer.threads import LOOP_THREADS, loop_threads, pool_of
 
 
-def _zero(deepspeed: dict[str, Any]) -> dict[str, Any]:
-    """The rendered zero_optimization block of a job with these deepspeed options, as the trainer gets it."""
+def _options(deepspeed: dict[str, Any]) -> DeepSpeedOptions:
+    """The resolved deepspeed options of a job with these, as the trainer gets them (a raw config merged in)."""
     job = JobSpec.model_validate({"model": "org/model", "data": {"train": "train.txt"}, "deepspeed": deepspeed})
-    return resolve(job).deepspeed_config["zero_optimization"]
+    return resolve(job).spec.deepspeed
 
 
 HOST_STEPS_THE_OPTIMIZER = {
@@ -32,20 +32,20 @@ HOST_STEPS_THE_OPTIMIZER = {
 def test_on_an_accelerator_the_loop_gets_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for deepspeed in ({}, {"zero_stage": 3}, {"zero_stage": 2, "precision": "bf16"}):
-        assert loop_threads("cuda", _zero(deepspeed)) == LOOP_THREADS == 1, deepspeed
+        assert loop_threads("cuda", _options(deepspeed)) == LOOP_THREADS == 1, deepspeed
 
 
 @pytest.mark.parametrize("case", list(HOST_STEPS_THE_OPTIMIZER))
 def test_torch_keeps_its_pool_where_the_host_does_the_heavy_work(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert loop_threads("cuda", _zero(HOST_STEPS_THE_OPTIMIZER[case])) is None
+    assert loop_threads("cuda", _options(HOST_STEPS_THE_OPTIMIZER[case])) is None
     # Training on the CPU: the pool is the training device.
-    assert loop_threads("cpu", _zero({})) is None
+    assert loop_threads("cpu", _options({})) is None
 
 
 def test_an_operators_omp_num_threads_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert loop_threads("cuda", _zero({})) is None
+    assert loop_threads("cuda", _options({})) is None
 
 
 def test_the_pool_is_set_inside_the_block_and_restored_after_it_even_on_an_error() -> None:

@@ -326,7 +326,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
     del model  # the engine holds it; a retry must be able to free it
     _loop(session, Try(job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable,
-                       adjustments, swap_folder, loop_threads(get_accelerator().device_name(), zero_cfg)),
+                       adjustments, swap_folder, loop_threads(get_accelerator().device_name(), spec.deepspeed)),
           guard)
 
 

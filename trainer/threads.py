@@ -15,27 +15,23 @@ the operator set is kept as well.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
+
+from contract.spec import DeepSpeedOptions
 
 LOOP_THREADS = 1
 
 
-def offloaded(zero_cfg: Mapping[str, Any]) -> bool:
-    """Whether the DeepSpeed config puts the optimizer or the parameters on the host (CPU or NVMe: both step the
-    optimizer on the CPU)."""
-    return any(str((zero_cfg.get(key) or {}).get("device", "none")) != "none"
-               for key in ("offload_optimizer", "offload_param"))
-
-
-def loop_threads(device_name: str, zero_cfg: Mapping[str, Any]) -> int | None:
-    """The pool size for the training loop, or None to leave torch's."""
+def loop_threads(device_name: str, ds: DeepSpeedOptions) -> int | None:
+    """The pool size for the training loop, or None to leave torch's. `ds` is the try's options: a raw config's
+    offload blocks are merged into them at submit, and the OOM ladder's offload at its rung. NVMe offload steps
+    the optimizer on the CPU too."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    if device_name == "cpu" or offloaded(zero_cfg):
+    if device_name == "cpu" or ds.offload_optimizer != "none" or ds.offload_param != "none":
         return None
     return LOOP_THREADS
 
