@@ -32,6 +32,7 @@ from contract.stages import spec_problems
 # DeepSpeed accept, and keeps every validation step (the batch arithmetic included) at a few milliseconds.
 MAX_STEPS = 10_000_000
 MAX_BATCH = 1_000_000  # global batch, micro batch and the raw config's batch fields
+MAX_AUTO_EXAMPLES_PER_STEP = 256  # OpenAI's cap on an "auto" batch_size
 MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit
 MAX_PATH_CHARS = 4096  # PATH_MAX
 METADATA_MAX_BYTES = 16 * 1024  # serialized as compact UTF-8 JSON
@@ -325,7 +326,14 @@ class Hyperparameters(_Strict):
     weight_decay: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.95), description="Each from 0 up to (not including) 1")
     gradient_clipping: StrictFloat = Field(default=1.0, ge=0.0, le=1_000_000.0, description="0 turns clipping off")
-    global_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
+    global_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH, description=(
+        "Rows (packed sequences of seq_len tokens, or one example each without packing) per optimizer step. Data "
+        "that makes fewer rows runs with the global batch clamped to what it makes, said in a `resolved` event"))
+    examples_per_step: int | Literal["auto"] | None = Field(default=None, description=(
+        f"Examples per optimizer step (what OpenAI's batch_size counts), 1 to {MAX_BATCH} or \"auto\" (about 0.2% "
+        f"of the training examples, 1 to {MAX_AUTO_EXAMPLES_PER_STEP}). When set the trainer chooses "
+        "global_batch_size from the data's token counts (the rows that many examples pack into) and says so in a "
+        "`resolved` event; global_batch_size may not be given as well"))
     micro_batch_size: int | Literal["auto"] = Field(default="auto", description=f'1 to {MAX_BATCH}, or "auto"')
     seq_len: int = Field(default=2048, ge=8, le=131_072)
     seed: int = Field(default=42, ge=0, le=MAX_SEED, description="0 to 2**32 - 1 (what numpy accepts)")
@@ -337,9 +345,9 @@ class Hyperparameters(_Strict):
                     "stochastic rounding (6 bytes), for full fine-tunes of models that do not fit otherwise; needs "
                     'precision "bf16", ZeRO stage 1-3 and no optimizer offload')
 
-    @field_validator("micro_batch_size")
+    @field_validator("micro_batch_size", "examples_per_step")
     @classmethod
-    def _positive_micro(cls, v: int | str) -> int | str:
+    def _positive_batch(cls, v: int | str | None) -> int | str | None:
         if isinstance(v, int) and not 1 <= v <= MAX_BATCH:
             raise ValueError(f'must be an integer from 1 to {MAX_BATCH} or "auto"')
         return v

@@ -51,6 +51,32 @@ def apply_state(job: Job, data: dict[str, Any]) -> None:
             job.progress = {**(job.progress or {}), **data["usage"]}
 
 
+def resolved_after(resolved: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """The job's resolved spec once the trainer settled the batch on the data or the device (a `resolved` event):
+    the job shows what ran, in every place that holds it."""
+    out = dict(resolved)
+    ds = dict(out.get("deepspeed_config", {}))
+    spec = dict(out.get("spec", {}))
+    hp = dict(spec.get("hyperparameters", {}))
+    for key, ds_key in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
+                        ("gradient_accumulation_steps", "gradient_accumulation_steps")):
+        if isinstance(data.get(key), int):
+            out[key] = ds[ds_key] = data[key]
+    if isinstance(data.get("micro_batch_size"), int):
+        hp["micro_batch_size"] = data["micro_batch_size"]
+    if isinstance(data.get("global_batch_size"), int):
+        hp["global_batch_size"] = ds["train_batch_size"] = data["global_batch_size"]
+    if isinstance(data.get("examples_per_step"), int):
+        hp["examples_per_step"] = data["examples_per_step"]
+    if isinstance(data.get("packing"), bool) and isinstance(spec.get("data"), dict):
+        spec["data"] = {**spec["data"], "packing": data["packing"]}
+    if spec:
+        out["spec"] = {**spec, "hyperparameters": hp}
+    out["deepspeed_config"] = ds
+    out["notes"] = [*out.get("notes", []), str(data.get("reason", ""))]
+    return out
+
+
 def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
     """What an event means for the job row; every event is also kept in the log as it came."""
     if kind == EventKind.STATE:
@@ -68,16 +94,7 @@ def apply_event(job: Job, kind: str, data: dict[str, Any]) -> None:
                      "attempt": job.attempt, "created_at": _now().isoformat()})
         job.checkpoints = sorted(kept, key=lambda c: c["step"] or 0)
     elif kind == EventKind.RESOLVED:
-        # The trainer measured the device and replaced an estimated micro batch: the job shows what ran.
-        resolved = dict(job.resolved)
-        ds = dict(resolved.get("deepspeed_config", {}))
-        for key, ds_key in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
-                            ("gradient_accumulation_steps", "gradient_accumulation_steps")):
-            if isinstance(data.get(key), int):
-                resolved[key] = ds[ds_key] = data[key]
-        resolved["deepspeed_config"] = ds
-        resolved["notes"] = [*resolved.get("notes", []), str(data.get("reason", ""))]
-        job.resolved = resolved
+        job.resolved = resolved_after(job.resolved, data)
     elif kind == EventKind.COMPLETED:
         job.output = {**(job.output or {}), **{k: v for k, v in data.items() if k not in ("ts", "rank")}}
 

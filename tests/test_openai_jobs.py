@@ -93,7 +93,7 @@ def first(owner: Owner, files: dict[str, str]) -> Any:
     native = owner.http.get(f"/jobs/{job.id}").json()
     hp = native["resolved"]["spec"]["hyperparameters"]
     assert hp["learning_rate"] == pytest.approx(2 * OPENAI_JOB_DEFAULTS["hyperparameters"]["learning_rate"])
-    assert (hp["epochs"], hp["global_batch_size"], hp["seed"], hp["seq_len"]) == (1.0, 8, 7, 64)
+    assert (hp["epochs"], hp["examples_per_step"], hp["seed"], hp["seq_len"]) == (1.0, 8, 7, 64)
     assert native["resolved"]["spec"]["data"]["format"] == "chat" and native["name"] == "first"
     return follow(owner, job.id)
 
@@ -105,6 +105,34 @@ def test_a_job_trains_to_succeeded_with_its_fine_tuned_model_and_tokens(owner: O
     assert first.finished_at >= first.created_at and first.error is None and first.estimated_finish is None
     assert first.method.type == "supervised" and first.method.supervised.hyperparameters.batch_size == 8
     assert first.result_files == []
+
+
+@pytest.mark.parametrize(("examples", "batch_size"), [(400, 16), (10, 32), (60, 1), (60, "auto")])
+def test_batch_size_counts_examples_on_small_files_as_openai_defines_it(owner: Owner, examples: int,
+                                                                      batch_size: int | str) -> None:
+    """An ordinary small file trains with OpenAI's batch_size (examples per step): the steps are OpenAI's
+    `ceil(examples / batch_size)` per epoch, within what packing and the two processes' whole rows allow, as the
+    `resolved` event states; the job shows the batch in examples it ran."""
+    job = owner.sdk.fine_tuning.jobs.create(model=BASE, training_file=owner.upload(chat_lines(examples)),
+                                            hyperparameters={"n_epochs": 1, "batch_size": batch_size})
+    done = follow(owner, job.id)
+    assert done.status == "succeeded", done.error
+    native = owner.http.get(f"/jobs/{job.id}").json()
+    (resolved,) = [e for e in events_of(owner.http, job.id, ["resolved"]) if "examples_per_step" in e]
+    b = resolved["examples_per_step"]
+    assert b == (batch_size if batch_size != "auto" else max(1, round(examples * 0.002)))
+    assert done.hyperparameters.batch_size == done.method.supervised.hyperparameters.batch_size == b
+    hp = native["resolved"]["spec"]["hyperparameters"]
+    assert (hp["examples_per_step"], hp["global_batch_size"]) == (b, resolved["global_batch_size"])
+    assert native["resolved"]["deepspeed_config"]["train_batch_size"] == resolved["global_batch_size"]
+    steps = native["progress"]["total_steps"]
+    assert steps == resolved["rows"] // resolved["global_batch_size"]
+    # Each step's examples: rows per step x examples per row, which the rounding to whole rows (and to the two
+    # processes' multiple) keeps within one row and one process's share of the batch asked for.
+    per_row = examples / resolved["rows"]
+    assert abs(resolved["global_batch_size"] * per_row - min(b, examples)) <= 2 * max(per_row, 1), resolved
+    listed = [e.message for e in owner.sdk.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(f"{b} examples per step" in m for m in listed), listed
 
 
 def test_events_page_newest_first_without_gaps_or_duplicates(owner: Owner, first: Any) -> None:

@@ -198,9 +198,12 @@ def encode(tokenizer: PreTrainedTokenizerBase, docs: list[Document],
     return [encode_text(tokenizer, d) for d in docs]
 
 
-def load_blocks(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-                seed: int) -> tuple[Blocks, Blocks | None]:
-    """Training blocks and validation blocks (None when there is no validation data)."""
+Example = tuple[list[int], list[int]]  # token ids and labels of one document
+
+
+def load_examples(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenizerBase,
+                  seed: int) -> tuple[list[Example], list[Example]]:
+    """Training and validation examples, tokenized (no validation: an empty list)."""
     train_docs = read_documents(resolve_path(spec.train, paths), spec)
     val_docs: list[Document] = []
     if spec.validation:
@@ -213,12 +216,25 @@ def load_blocks(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenizerB
         held = set(order[:n_val])
         val_docs = [d for i, d in enumerate(train_docs) if i in held]
         train_docs = [d for i, d in enumerate(train_docs) if i not in held]
-    pad = tokenizer.pad_token_id
-    train = pack(encode(tokenizer, train_docs, spec.format), seq_len, pad, spec.packing)
-    if int((train.labels != IGNORE).sum()) == 0:
-        raise DataError(f"{spec.train}: no token to learn from (all labels masked)")
-    val = pack(encode(tokenizer, val_docs, spec.format), seq_len, pad, spec.packing) if val_docs else None
-    return train, val
+    return encode(tokenizer, train_docs, spec.format), encode(tokenizer, val_docs, spec.format)
+
+
+def blocks_of(train: list[Example], val: list[Example], *, seq_len: int, pad_id: int, packing: bool,
+              name: str) -> tuple[Blocks, Blocks | None]:
+    """Training blocks and validation blocks (None when there is no validation data); `name` is the training
+    data's, for the error."""
+    blocks = pack(train, seq_len, pad_id, packing)
+    if int((blocks.labels != IGNORE).sum()) == 0:
+        raise DataError(f"{name}: no token to learn from (all labels masked)")
+    return blocks, (pack(val, seq_len, pad_id, packing) if val else None)
+
+
+def load_blocks(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                seed: int) -> tuple[Blocks, Blocks | None]:
+    """Training blocks and validation blocks (None when there is no validation data)."""
+    train, val = load_examples(spec, paths, tokenizer, seed)
+    return blocks_of(train, val, seq_len=seq_len, pad_id=tokenizer.pad_token_id, packing=spec.packing,
+                     name=spec.train)
 
 
 class BatchOrder:

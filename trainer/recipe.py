@@ -19,9 +19,23 @@ from deepspeed.accelerator import get_accelerator
 
 from contract.codes import EventKind
 from contract.spec import ResolvedJob, RunSpec
-from trainer import checkpoint, dsconfig, export, flops, kernels, memory, oom, optim, pipeline, swap, tuning, uploader
+from trainer import (
+    batching,
+    checkpoint,
+    dsconfig,
+    export,
+    flops,
+    kernels,
+    memory,
+    oom,
+    optim,
+    pipeline,
+    swap,
+    tuning,
+    uploader,
+)
 from trainer.checkpoint import StopFlag, TrainerState
-from trainer.data import IGNORE, BatchOrder, Blocks, load_blocks
+from trainer.data import IGNORE, BatchOrder, Blocks, blocks_of, load_examples
 from trainer.errors import Interrupted
 from trainer.events import emit_rank0
 from trainer.fence import Fence
@@ -199,7 +213,7 @@ def run(run_spec: RunSpec) -> None:
     stop = StopFlag()
     location = model_location(spec, paths)
     tokenizer = load_tokenizer(spec, location)
-    train_blocks, val_blocks = load_blocks(spec.data, paths, tokenizer, hp.seq_len, hp.seed)
+    run_spec, train_blocks, val_blocks = _data_and_batch(run_spec, tokenizer, world)
     session = Session(run_spec, rank, world, get_accelerator().current_device_name(), stop, location, tokenizer,
                       train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM(),
                       uploader.Uploads.for_run(run_spec, rank))
@@ -212,6 +226,28 @@ def run(run_spec: RunSpec) -> None:
             # The last checkpoint's commit must not be cut off by the exit; after a SIGTERM or an error the
             # worker kills the group soon, so it gets less time, and an unfinished one stays uncommitted.
             session.uploads.finish(uploader.FINAL_WAIT_SECONDS if finished else uploader.STOP_WAIT_SECONDS)
+
+
+def _data_and_batch(run_spec: RunSpec, tokenizer: Any, world: int) -> tuple[RunSpec, Blocks, Blocks | None]:
+    """The data's blocks and the run spec with the batch they allow (trainer/batching.py), said in a `resolved`
+    event where it differs from the one resolved at submit."""
+    job = run_spec.job
+    spec, hp = job.spec, job.spec.hyperparameters
+    train, val = load_examples(spec.data, run_spec.paths, tokenizer, hp.seed)
+    pad = tokenizer.pad_token_id
+    blocks = blocks_of(train, val, seq_len=hp.seq_len, pad_id=pad, packing=spec.data.packing, name=spec.data.train)
+    chosen = batching.plan(job, examples=len(train), packed_rows=len(blocks[0]),
+                           dp=world // spec.resources.pipeline_stages)
+    if not chosen.changes(job):
+        return run_spec, *blocks
+    if chosen.packing != spec.data.packing:
+        blocks = blocks_of(train, val, seq_len=hp.seq_len, pad_id=pad, packing=chosen.packing,
+                           name=spec.data.train)
+    emit_rank0(EventKind.RESOLVED, global_batch_size=chosen.global_batch, micro_batch_size=chosen.micro,
+               gradient_accumulation_steps=chosen.accum, packing=chosen.packing,
+               examples_per_step=chosen.examples_per_step, examples=len(train), rows=chosen.rows,
+               reason="; ".join(chosen.notes) or "the batch fits the data")
+    return run_spec.model_copy(update={"job": chosen.applied(job)}), *blocks
 
 
 def _run_tries(session: Session) -> None:

@@ -195,8 +195,8 @@ def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, An
     hp: dict[str, Any] = {}
     if chosen.n_epochs != AUTO:
         hp["epochs"] = float(chosen.n_epochs)
-    if chosen.batch_size != AUTO:
-        hp["global_batch_size"] = chosen.batch_size
+    # OpenAI's batch_size counts examples; the trainer turns them into rows from the data (trainer/batching.py).
+    hp["examples_per_step"] = chosen.batch_size
     if chosen.learning_rate_multiplier != AUTO:
         hp["learning_rate"] = float(chosen.learning_rate_multiplier) * default_learning_rate(defaults)
     if body.seed is not None:
@@ -205,6 +205,8 @@ def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, An
     data: dict[str, Any] = {"train": body.training_file, "validation": body.validation_file}
     request = _merge(defaults, {"name": body.suffix or "", "model": model, "data": data, "hyperparameters": hp,
                                 "metadata": body.metadata or {}})
+    # A deployment's default global batch counts rows, which this job's batch in examples replaces.
+    request["hyperparameters"].pop("global_batch_size", None)
     try:
         return JobSpec.model_validate(request), param
     except ValidationError as exc:
@@ -216,7 +218,7 @@ def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, An
 PARAMS = {"model.name_or_path": "model", "model": "model", "data.train": "training_file",
           "data.validation": "validation_file", "data.format": "training_file", "name": "suffix",
           "metadata": "metadata", "hyperparameters.seed": "seed"}
-HYPERPARAMETERS = {"hyperparameters.epochs": "n_epochs", "hyperparameters.global_batch_size": "batch_size",
+HYPERPARAMETERS = {"hyperparameters.epochs": "n_epochs", "hyperparameters.examples_per_step": "batch_size",
                    "hyperparameters.learning_rate": "learning_rate_multiplier"}
 
 

@@ -15,7 +15,9 @@ Auto = Literal["auto"]
 
 class FineTuningHyperparameters(BaseModel):
     n_epochs: Auto | int | float = Field(description="Epochs as resolved (the service's default where auto)")
-    batch_size: Auto | int = Field(description="The global batch (sequences per optimizer step)")
+    batch_size: Auto | int = Field(description=(
+        "Examples per optimizer step; \"auto\" until the trainer settles it on the data. A job made natively shows "
+        "its global batch (rows per step)"))
     learning_rate_multiplier: Auto | float = Field(description="The learning rate ÷ the deployment's default rate")
 
 

@@ -154,7 +154,10 @@ def view(job: dict[str, Any], lineage: store.Lineage | None, default_lr: float) 
     """A native job (db/reads.py JOB_JSON) as a FineTuningJob."""
     spec = job["resolved"]["spec"]
     resolved_hp = spec["hyperparameters"]
-    hyper = {"n_epochs": _number(resolved_hp["epochs"]), "batch_size": resolved_hp["global_batch_size"],
+    # OpenAI's batch_size counts examples: "auto" until the trainer settles it on the data, rows for a native job.
+    per_step = resolved_hp.get("examples_per_step")
+    hyper = {"n_epochs": _number(resolved_hp["epochs"]),
+             "batch_size": resolved_hp["global_batch_size"] if per_step is None else per_step,
              "learning_rate_multiplier": round(resolved_hp["learning_rate"] / default_lr, 6)}
     status = names.status(job["status"])
     progress = job["progress"] or {}

@@ -30,6 +30,19 @@ def _divisors_desc(n: int) -> list[int]:
 def resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], limits: ResolveLimits,
                    errors: list[FieldError], notes: list[str], merger: Merger | None = None) -> tuple[int, int, int]:
     hp = spec.hyperparameters
+    if hp.examples_per_step is not None:
+        given = [f for f, set_ in (("hyperparameters.global_batch_size", explicit(hp, "global_batch_size")),
+                                   ("deepspeed.config.train_batch_size", raw_batch["train_batch_size"] is not None),
+                                   ("deepspeed.config.gradient_accumulation_steps",
+                                    raw_batch["gradient_accumulation_steps"] is not None)) if set_]
+        for field in given:
+            errors.append(FieldError(field, "cannot be given with hyperparameters.examples_per_step, from which the "
+                                            "trainer chooses the rows per step; give one of them", "conflict"))
+        if given:
+            return hp.global_batch_size, 1, 1
+        notes.append(f"examples_per_step {hp.examples_per_step}: the trainer chooses the global batch (rows per "
+                     "step) from the data's token counts and says so in a `resolved` event; the batch below is "
+                     "its starting point, the micro batch an upper bound")
     g_raw = raw_batch["train_batch_size"]
     m_raw = raw_batch["train_micro_batch_size_per_gpu"]
     a = raw_batch["gradient_accumulation_steps"]
