@@ -107,7 +107,8 @@ def test_a_job_trains_to_succeeded_with_its_fine_tuned_model_and_tokens(owner: O
     assert first.result_files == []
 
 
-@pytest.mark.parametrize(("examples", "batch_size"), [(400, 16), (10, 32), (60, 1), (60, "auto")])
+# batch_size 1 is the "auto" of 60 examples; tests/test_batching.py runs every size on every file without a stack.
+@pytest.mark.parametrize(("examples", "batch_size"), [(400, 16), (10, 32), (60, "auto")])
 def test_batch_size_counts_examples_on_small_files_as_openai_defines_it(owner: Owner, examples: int,
                                                                       batch_size: int | str) -> None:
     """An ordinary small file trains with OpenAI's batch_size (examples per step): the steps are OpenAI's

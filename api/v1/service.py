@@ -220,7 +220,12 @@ def _event_message(kind: str, data: dict[str, Any]) -> tuple[str, Level]:
         return f"Training completed at step {data.get('steps')}; model exported", level
     if kind == EventKind.ERROR:
         return f"Error: {data.get('message') or data.get('code')}", Level.ERROR
-    if kind in (EventKind.ADAPTED, EventKind.INTERRUPTED, EventKind.UNREADABLE):
+    if kind == EventKind.ADAPTED:
+        return (f"Out of memory in the {data.get('phase')} at step {data.get('step')}; continuing with "
+                f"{data.get('change')}"), Level.WARN
+    if kind == EventKind.RESOLVED:
+        return f"Batch settled: {data.get('reason')}", level
+    if kind in (EventKind.INTERRUPTED, EventKind.UNREADABLE):
         return f"{kind}: {data.get('reason') or data.get('message') or ''}".rstrip(": "), Level.WARN
     return f"{kind}: {data.get('reason') or data.get('message') or ''}".rstrip(": "), level
 
