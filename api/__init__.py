@@ -1,1 +1,2 @@
-"""The control plane: HTTP API, job store, event ingester and reaper. The only writer of Postgres."""
+"""The HTTP process: routes, their schemas, auth and the answers' shapes. Its SQL is in db/, the loops that act on
+jobs (ingest, reaper, scheduler, dispatcher, deliverer) are the control plane's (controlplane/)."""

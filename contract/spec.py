@@ -594,6 +594,15 @@ class NodeShare(_Strict):
     gang: list[GangMember] = Field(default_factory=list, max_length=64)
 
 
+class AttemptOrder(_Strict):
+    """What the control plane sends each node of a placed attempt: the resolved job, which attempt, and the node's
+    share. Where the attempt reads and writes is the node's own choice (worker/attempt.py `node_paths`)."""
+
+    job: ResolvedJob
+    attempt: int = Field(ge=1)
+    placement: NodeShare | None = None
+
+
 class RunSpec(_Strict):
     """The file handed to `python -m trainer --spec`: the resolved job plus where to write."""
 

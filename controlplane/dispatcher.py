@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timezone
+from functools import lru_cache
+from typing import Any
 
 import redis
+from celery import Celery
 
-from controlplane.dispatch import dispatch
+from contract.protocol import RUN_JOB, attempt_key, lease_key, node_queue
+from contract.spec import AttemptOrder, GangMember, NodeShare
 from controlplane.loop import WokenLoop
 from controlplane.scheduler import Scheduler
 from controlplane.settings import ControlPlaneSettings
@@ -53,11 +57,53 @@ class Dispatcher(WokenLoop):
             with session_scope() as session:
                 jobs = placement.placed_unsent(session, limit=BATCH)
                 for job in jobs:
-                    dispatch(self.r, job_id=job.id, attempt=job.attempt, job_dir=job.job_dir,
-                             resolved=job.resolved, placement=job.placement or [],
-                             lease_ttl=self.settings.lease_ttl_seconds)
+                    dispatch(self.r, job_id=job.id, attempt=job.attempt, resolved=job.resolved,
+                             placement=job.placement or [], lease_ttl=self.settings.lease_ttl_seconds)
                     # This host's clock: the reaper compares it with when it noticed a Redis data loss.
                     job.dispatched_at = datetime.now(timezone.utc)
             sent += len(jobs)
             if len(jobs) < BATCH:
                 return sent
+
+
+@lru_cache
+def producer(broker: str) -> Celery:
+    """A Celery app that only sends: the control plane needs the broker and the task's name, not the worker's
+    app (its node announcement and signal handlers, worker/celery_app.py)."""
+    app = Celery("finetune", broker=broker)
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+    return app
+
+
+def dispatch(client: redis.Redis, *, job_id: str, attempt: int, resolved: dict[str, Any],
+             placement: list[dict[str, Any]], lease_ttl: float = 10.0) -> None:
+    """Publish the current attempt, then send each node of its placement its part, on the node's own queue."""
+    # The attempt key goes first: a worker that receives the message must find it current.
+    client.set(attempt_key(job_id), attempt)
+    # The other nodes of a multi-node job get one lease time to claim their part: the job counts as started
+    # once node 0 starts, and a part that no worker claims within that time makes the whole attempt lost.
+    for rank in range(1, len(placement)):
+        client.set(lease_key(job_id, attempt, rank), "sent", px=int(lease_ttl * 1000))
+    for rank, part in enumerate(placement):
+        run = order(resolved, attempt, share(part, rank, placement))
+        # The reprs that Celery would otherwise build from the whole order on every send (its largest cost
+        # here) only label the task in the workers' logs: the ids say everything.
+        kwargs = {"job_id": job_id, "attempt": attempt, "run": run}
+        label = f"{{job_id: {job_id}, attempt: {attempt}, node: {part['node']}}}"
+        producer(ControlPlaneSettings().broker).send_task(RUN_JOB, kwargs=kwargs, queue=node_queue(part["node"]),
+                                                  argsrepr="()", kwargsrepr=label)
+
+
+def share(part: dict[str, Any], rank: int, placement: list[dict[str, Any]]) -> NodeShare:
+    master = placement[0]
+    gang = [GangMember(node=p["node"], devices=[str(d) for d in p["devices"]]) for p in placement] \
+        if len(placement) > 1 else []
+    return NodeShare(node=part["node"], devices=[str(d) for d in part["devices"]], kind=part.get("kind", "cpu"),
+                     node_rank=rank, num_nodes=len(placement), master_addr=master.get("addr", "127.0.0.1"),
+                     master_port=master.get("port"), gang=gang)
+
+
+def order(resolved: dict[str, Any], attempt: int, placement: NodeShare | None = None) -> dict[str, Any]:
+    """The AttemptOrder a node receives, validated here as the worker will validate it."""
+    return AttemptOrder.model_validate({"job": resolved, "attempt": attempt, "placement": placement}).model_dump(
+        mode="json")

@@ -22,31 +22,31 @@ from db.errors import Conflict, NotFound, QuotaExceeded
 # Nothing counted where no limit applies.
 NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
 # The row, its first event (naming who submitted it, with its delivery where one announces it) and its audit
-# entry in one statement: all or nothing, in one round trip. The row is inserted only within the quota ($11 jobs,
-# $12 GPUs; null: no limit); otherwise the answer is the use that refused it. The first event's delivery is
-# $16 to $21 (db/webhooks.py `delivery`; all null: none), as `events.APPEND` writes it.
+# entry in one statement: all or nothing, in one round trip. The row is inserted only within the quota ($10 jobs,
+# $11 GPUs; null: no limit); otherwise the answer is the use that refused it. The first event's delivery is
+# $15 to $20 (db/webhooks.py `delivery`; all null: none), as `events.APPEND` writes it.
 INSERT_JOB = f"""
 WITH usage AS ({{usage}}), job AS (
-    INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, job_dir, progress,
+    INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, progress,
                       checkpoints, metadata, event_seq, created_at, updated_at)
-    SELECT $1, $2, $9, $10::int, $15::int, '{JobStatus.QUEUED.value}', 1, $3, $4::jsonb, $5::jsonb, $6, $7::jsonb,
-           '[]'::jsonb, $8::jsonb, 1, now(), now()
+    SELECT $1, $2, $8, $9::int, $14::int, '{JobStatus.QUEUED.value}', 1, $3, $4::jsonb, $5::jsonb, $6::jsonb,
+           '[]'::jsonb, $7::jsonb, 1, now(), now()
     FROM usage
-    WHERE ($11::bigint IS NULL OR usage.jobs + 1 <= $11) AND ($12::bigint IS NULL OR usage.gpus + $10::int <= $12)
+    WHERE ($10::bigint IS NULL OR usage.jobs + 1 <= $10) AND ($11::bigint IS NULL OR usage.gpus + $9::int <= $11)
     RETURNING *
 ), first_event AS (
     {events.INSERT}
     SELECT id, 1, 1, '{EventKind.STATE.value}',
-           jsonb_build_object('status', '{JobStatus.QUEUED.value}', 'actor', $13::jsonb), NULL, now() FROM job
+           jsonb_build_object('status', '{JobStatus.QUEUED.value}', 'actor', $12::jsonb), NULL, now() FROM job
 ), delivery AS (
     INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
-    SELECT $16::text, id, $17, 1, $18, $19, $20, $21::jsonb, now() FROM job WHERE $16::text IS NOT NULL
+    SELECT $15::text, id, $16, 1, $17, $18, $19, $20::jsonb, now() FROM job WHERE $15::text IS NOT NULL
 ), audited AS (
     {audit.INSERT}
-    SELECT now(), $14, $9, 'job.submit', id, jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
+    SELECT now(), $13, $8, 'job.submit', id, jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
 )
 SELECT (SELECT {{job_json}} FROM job), usage.jobs, usage.gpus FROM usage"""
-INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$9"), job_json=reads.JOB_JSON)
+INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$8"), job_json=reads.JOB_JSON)
 INSERT_UNCOUNTED = INSERT_JOB.format(usage=NO_USAGE, job_json=reads.JOB_JSON)
 
 
@@ -62,7 +62,6 @@ class NewJob:
     priority: int
     request: dict[str, Any]
     resolved: dict[str, Any]
-    job_dir: str
     progress: dict[str, Any]
     metadata: dict[str, Any]
     # The stored files the job trains on (request field: file id), held against a delete until the row commits.
@@ -77,10 +76,10 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
     file deleted at the same moment is either refused here or sees this job and refuses the delete. Returns the
     status and JSON to answer with: for a retry with the same Idempotency-Key and body, those of the first answer."""
     owner, gpus = job.owner, job.gpus
-    args: list[Any] = [job.id, job.name, job.queue, jsonw.dumps(job.request), jsonw.dumps(job.resolved), job.job_dir,
+    args: list[Any] = [job.id, job.name, job.queue, jsonw.dumps(job.request), jsonw.dumps(job.resolved),
                        jsonw.dumps(job.progress), jsonw.dumps(job.metadata), owner, gpus]
-    # After the quota limits ($11, $12): who submits ($13, $14), the priority the scheduler orders by ($15) and
-    # the first event's delivery ($16 to $21).
+    # After the quota limits ($10, $11): who submits ($12, $13), the priority the scheduler orders by ($14) and
+    # the first event's delivery ($15 to $20).
     view = SimpleNamespace(id=job.id, name=job.name, owner=owner, queue=job.queue, status=JobStatus.QUEUED,
                            attempt=1, request=job.request, error=None, output=None, event_seq=1)
     first = {"status": JobStatus.QUEUED, "actor": actor}

@@ -64,7 +64,6 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     request: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     resolved: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
-    job_dir: Mapped[str] = mapped_column(Text, nullable=False)
     progress: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB, nullable=True)
     checkpoints: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, default=list)

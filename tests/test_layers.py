@@ -197,3 +197,20 @@ def test_the_api_loads_neither_torch_nor_the_orm_session_nor_the_control_plane_n
     assert {"api.main", "api.routes.jobs", "api.services.jobs"} <= seen
     for forbidden in ("torch", "sqlalchemy.orm", "controlplane", "worker", "trainer"):
         assert sorted(m for m in seen if m == forbidden or m.startswith(forbidden + ".")) == [], forbidden
+
+
+# The keys of a RunSpec or AttemptOrder (contract/spec.py): a worker or trainer that indexes a dict by them is
+# editing a copy of the run spec that validation no longer checks.
+RUN_SPEC_KEYS = {"job", "spec", "paths", "deepspeed_config", "hyperparameters"}
+
+
+def test_no_dict_run_spec_past_validation_in_the_worker_or_the_trainer() -> None:
+    offenders = []
+    for name, path, tree in modules():
+        if name.split(".")[0] not in ("worker", "trainer"):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                    and node.slice.value in RUN_SPEC_KEYS):
+                offenders.append(f"{where(path, node.lineno)} [{node.slice.value!r}]")
+    assert offenders == [], "\n".join(offenders)

@@ -56,11 +56,11 @@ def test_the_worker_and_the_api_use_the_same_names() -> None:
     # Both sides spell each name through the one module: the objects they hold are the very same.
     seen = fresh("""
 import json
-import controlplane.dispatch, controlplane.ingest, controlplane.reaper, contract.protocol as n, contract.codes as c
+import controlplane.dispatcher, controlplane.ingest, controlplane.reaper, contract.protocol as n, contract.codes as c
 import db.attempts
 import worker.attempt, worker.celery_app, worker.gang, worker.lease, worker.publisher, worker.tasks
 print(json.dumps({
-    "task": controlplane.dispatch.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
+    "task": controlplane.dispatcher.RUN_JOB is worker.tasks.RUN_JOB is n.RUN_JOB,
     "stream": controlplane.ingest.EVENTS_STREAM is worker.publisher.EVENTS_STREAM is n.EVENTS_STREAM,
     "keys": controlplane.reaper.lease_key is worker.lease.lease_key is worker.gang.lease_key is n.lease_key,
     "codes": db.attempts.FailureCode is worker.attempt.FailureCode is c.FailureCode,

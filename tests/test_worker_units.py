@@ -10,7 +10,6 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -291,15 +290,22 @@ def test_two_prebuilds_at_once_build_each_op_once_and_keep_a_live_build_lock(tmp
 
 
 def test_the_swap_folder_is_per_attempt_and_removed_only_for_nvme_jobs(tmp_path: Path) -> None:
-    def run(device: str, attempt: int) -> dict[str, Any]:
-        return {"attempt": attempt, "paths": {"job_dir": str(tmp_path / "jobs" / "j-42")},
-                "job": {"spec": {"deepspeed": {"nvme_path": str(tmp_path / "nvme")}},
-                        "deepspeed_config": {"zero_optimization": {"offload_optimizer": {"device": device}}}}}
+    from contract.deepspeed import resolve
+    from contract.spec import JobSpec, RunPaths, RunSpec
+
+    def run(device: str, attempt: int) -> RunSpec:
+        job = resolve(JobSpec.model_validate({"model": "m", "data": {"train": "t"}}))
+        ds = job.spec.deepspeed.model_copy(update={"nvme_path": str(tmp_path / "nvme")})
+        job = job.model_copy(update={"spec": job.spec.model_copy(update={"deepspeed": ds}), "deepspeed_config": {
+            "zero_optimization": {"offload_optimizer": {"device": device}}}})
+        job_dir = tmp_path / "jobs" / "j-42"
+        return RunSpec(job=job, attempt=attempt, paths=RunPaths(
+            job_dir=str(job_dir), checkpoint_dir=str(job_dir / "c"), output_dir=str(job_dir / "o")))
 
     folder = swap.attempt_folder(run("nvme", 2))
     assert folder == tmp_path / "nvme" / "j-42-attempt-2"
     assert swap.attempt_folder(run("cpu", 2)) is None
-    assert swap.point_at(run("nvme", 2)["job"]["deepspeed_config"], folder)["zero_optimization"][
+    assert swap.point_at(run("nvme", 2).job.deepspeed_config, folder)["zero_optimization"][
         "offload_optimizer"] == {"device": "nvme", "nvme_path": str(folder)}
     (folder / "zero_stage_3" / "optimizer" / "rank0").mkdir(parents=True)
     (folder / "zero_stage_3" / "optimizer" / "rank0" / "0_1.tensor.swp").write_bytes(b"x")

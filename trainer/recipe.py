@@ -323,7 +323,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
     model = load_model(spec, location, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    swap_folder = swap.attempt_folder(run_spec.model_dump())
+    swap_folder = swap.attempt_folder(run_spec)
     stages = spec.resources.pipeline_stages
     plan = kernels.choose(job, _on_gpu(), model)
     if stages > 1:

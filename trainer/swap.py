@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from contract.spec import RunSpec
+
 OFFLOAD_BLOCKS = ("offload_optimizer", "offload_param")
 
 
@@ -43,10 +45,9 @@ def remove(folder: Path) -> bool:
     return True
 
 
-def attempt_folder(run_spec: dict[str, Any]) -> Path | None:
-    """The swap folder of a run spec (as the worker holds it: plain JSON), or None without NVMe offload."""
-    job = run_spec["job"]
-    nvme_path = job["spec"]["deepspeed"].get("nvme_path")
-    if not nvme_path or not uses_nvme(job["deepspeed_config"]):
+def attempt_folder(run_spec: RunSpec) -> Path | None:
+    """The swap folder of a run spec, or None without NVMe offload."""
+    nvme_path = run_spec.job.spec.deepspeed.nvme_path
+    if not nvme_path or not uses_nvme(run_spec.job.deepspeed_config):
         return None
-    return swap_folder(nvme_path, run_spec["paths"]["job_dir"], int(run_spec.get("attempt", 1)))
+    return swap_folder(nvme_path, run_spec.paths.job_dir, run_spec.attempt)

@@ -8,7 +8,6 @@ processes themselves worker/process.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import signal
@@ -28,7 +27,7 @@ from obstore.exceptions import BaseError as ObjectStoreError
 
 from contract.codes import EventKind, FailureCode, JobStatus
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
-from contract.spec import RunSpec
+from contract.spec import AttemptOrder, RunPaths, RunSpec, StoreRef
 from store import checkpoints as stored
 from store.objects import Store, error_line
 from trainer import fence, swap
@@ -100,7 +99,9 @@ class Attempt:
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.job_id, self.attempt, self.job_dir = job_id, attempt, job_dir
         self.attempt_dir = job_dir / "attempts" / str(attempt)
-        self.run_spec = {**run, "attempt": attempt}
+        # As sent; execute() validates it once and works on typed values from then on.
+        self.order = run
+        self.spec: RunSpec | None = None  # the run spec once validated and moved onto this node
         # Which part of a multi-node attempt this is (its node rank), and how many parts there are: read before
         # execute() validates the spec, since the part's lease needs them and a malformed spec must fail visibly.
         placement = run.get("placement") or {}
@@ -187,7 +188,7 @@ class Attempt:
             # A marker left by an earlier attempt must not make this one look finished.
             (output_dir / "COMPLETE").unlink(missing_ok=True)
         spec_file = self.attempt_dir / f"spec{self.suffix}.json"
-        spec_file.write_text(json.dumps(self.run_spec, indent=2))
+        spec_file.write_text(spec.model_dump_json(indent=2))
         return spec_file, log_dir, output_dir
 
     def guard_args(self) -> list[str]:
@@ -204,16 +205,17 @@ class Attempt:
             return Outcome(Status.STALE)
         # Where the trainer commits its checkpoints (trainer/uploader.py); credentials reach it through AWS_*.
         store = self.settings.store()
-        self.run_spec["paths"] = {**self.run_spec["paths"], "store": {
-            "url": store.absolute_url, "endpoint": self.settings.s3_endpoint_url, "job_id": self.job_id}}
         # The contract, checked as the trainer will check it: a malformed message fails here, visibly.
-        spec = RunSpec.model_validate(self.run_spec)
+        order = AttemptOrder.model_validate({**self.order, "attempt": self.attempt})
+        spec = RunSpec(job=order.job, attempt=order.attempt, placement=order.placement, paths=node_paths(
+            self.job_dir, StoreRef(url=store.absolute_url, endpoint=self.settings.s3_endpoint_url, job_id=self.job_id)))
         if self.restore_checkpoint(spec, store) is not None:
             return Outcome(Status.STALE)
         with ExitStack() as holds:
-            unavailable = self.fetch_inputs(spec, holds)
-            if unavailable is not None:
-                return unavailable
+            localized = self.fetch_inputs(spec, holds)
+            if isinstance(localized, Outcome):
+                return localized
+            spec = self.spec = localized
             spec_file, log_dir, output_dir = self.prepare(spec)
             ext_dir = extensions_dir(self.settings)
             gang = None
@@ -276,15 +278,16 @@ class Attempt:
         self.flush()
         return newer[0] if newer else None
 
-    def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> Outcome | None:
-        """The job's stored files into this node's cache, the run spec pointed at them (worker/inputs.py), with
+    def fetch_inputs(self, spec: RunSpec, holds: ExitStack) -> RunSpec | Outcome:
+        """The job's stored files into this node's cache and the run spec pointed at them (worker/inputs.py), with
         the lease renewed while they download; a failed outcome where one cannot be fetched."""
         if not spec.job.inputs and spec.job.base_model is None:
-            return None
-        exc = self.renewing("inputs", lambda: inputs.localize(self.settings, self.run_spec, spec.job, holds,
-                                                              self.attempt_dir / f"base-model{self.suffix}"))
+            return spec
+        localized: list[RunSpec] = []
+        exc = self.renewing("inputs", lambda: localized.append(inputs.localize(
+            self.settings, spec, holds, self.attempt_dir / f"base-model{self.suffix}")))
         if exc is None:
-            return None
+            return localized[0]
         if not isinstance(exc, inputs.InputUnavailable):
             raise exc
         self.note(str(exc), **self.where)
@@ -380,7 +383,7 @@ class Attempt:
             # Only while no other attempt of this node runs: another one may be building an op under its lock.
             for lock in release_stale_build_locks(ext_dir):
                 self.note(f"removed the stale op build lock {lock}")
-        folder = swap.attempt_folder(self.run_spec)
+        folder = swap.attempt_folder(self.spec) if self.spec is not None else None
         # The trainer clears it after a completed export; a failed, cancelled or killed attempt cannot.
         if gone and folder is not None and swap.remove(folder):
             self.note(f"removed the attempt's NVMe swap folder {folder}")
@@ -542,22 +545,21 @@ class Attempt:
             delay = min(delay * 2, 5.0)
 
 
-def on_this_node(settings: WorkerSettings, job_id: str, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """The job's folder under this node's own FT_ARTIFACTS_ROOT, and the run spec's paths moved into it. A node's
-    folder is scratch: what must outlive the node (checkpoints, the export) is in the artifact store, so no node
-    needs another's disk, and the folder the API named at submit is only where it would be on the API's host."""
-    job_dir = Path(settings.artifacts_root).expanduser().resolve() / "jobs" / job_id
-    paths = {**run.get("paths", {}), "job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "checkpoints"),
-             "output_dir": str(job_dir / "output")}
-    return job_dir, {**run, "paths": paths}
+def node_job_dir(settings: WorkerSettings, job_id: str) -> Path:
+    """The job's folder under this node's own FT_ARTIFACTS_ROOT. A node's folder is scratch: what must outlive the
+    node (checkpoints, the export) is in the artifact store, so no node needs another's disk."""
+    return Path(settings.artifacts_root).expanduser().resolve() / "jobs" / job_id
 
 
+def node_paths(job_dir: Path, store: StoreRef) -> RunPaths:
+    return RunPaths(job_dir=str(job_dir), checkpoint_dir=str(job_dir / "checkpoints"),
+                    output_dir=str(job_dir / "output"), store=store)
 
-def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], settings: WorkerSettings,
+
+def supervise(*, job_id: str, attempt: int, run: dict[str, Any], settings: WorkerSettings,
               client: redis.Redis | None = None, stopping: Callable[[], bool] = lambda: False) -> Status:
-    """Run one attempt to its end; `stopping` says when the worker itself is shutting down. `job_dir` is the
-    folder the submit named; the attempt runs in this node's own (`on_this_node`)."""
-    local_dir, run = on_this_node(settings, job_id, run)
+    """Run one attempt to its end; `run` is the AttemptOrder as sent, `stopping` says when the worker itself is
+    shutting down."""
     r = client or redis.Redis.from_url(settings.redis_url)
     current = r.get(attempt_key(job_id))
     if current is not None and int(current) != attempt:
@@ -567,7 +569,8 @@ def supervise(*, job_id: str, attempt: int, job_dir: str, run: dict[str, Any], s
     if not r.set(claim_key(job_id, attempt, part), worker_id(), nx=True, ex=30 * 24 * 3600):
         log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
         return Status.STALE
-    att = Attempt(job_id=job_id, attempt=attempt, job_dir=local_dir, run=run, settings=settings, client=r,
+    att = Attempt(job_id=job_id, attempt=attempt, job_dir=node_job_dir(settings, job_id), run=run, settings=settings,
+                  client=r,
                   stopping=stopping)
     att.lease.renew(settings.lease_ttl_seconds)
     if r.exists(cancel_key(job_id)):

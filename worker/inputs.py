@@ -12,10 +12,9 @@ import subprocess
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from contract.codes import FailureCode
-from contract.spec import ResolvedJob, StoredModel
+from contract.spec import JobSpec, RunSpec, StoredModel
 from store.cache import NodeCache
 from store.checkpoints import tag_for
 from store.objects import error_line
@@ -37,13 +36,13 @@ class BaseModelUnusable(InputUnavailable):
     code = FailureCode.MODEL_LOAD_ERROR
 
 
-def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJob, holds: ExitStack,
-             model_dir: Path) -> None:
-    """Fetch every stored input and rewrite `run_spec`'s fields to the local copies; the copies stay held (not
+def localize(settings: WorkerSettings, run_spec: RunSpec, holds: ExitStack, model_dir: Path) -> RunSpec:
+    """Fetch every stored input; returns `run_spec` with its fields naming the local copies, which stay held (not
     evictable) until `holds` closes. A base model's export is linked into `model_dir` under its own names; a base
     model's checkpoint is linked into a folder beside it, from which `model_dir` is written."""
+    job = run_spec.job
     if not job.inputs and job.base_model is None:
-        return
+        return run_spec
     store = settings.store()
     cache = NodeCache(Path(settings.cache_root).expanduser().resolve(), settings.cache_max_bytes)
 
@@ -56,14 +55,15 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
         holds.callback(hold.close)
         return path
 
-    data = run_spec["job"]["spec"]["data"]
+    data: dict[str, str] = {}
     for field, found in job.inputs.items():
-        data[field.removeprefix("data.")] = str(local(f"{field}: stored file {found.file_id}", found.key,
-                                                      found.sha256, found.bytes))
-        log.info("%s: %s is %s", field, found.file_id, data[field.removeprefix("data.")])
+        name = field.removeprefix("data.")
+        data[name] = str(local(f"{field}: stored file {found.file_id}", found.key, found.sha256, found.bytes))
+        log.info("%s: %s is %s", field, found.file_id, data[name])
+    spec = job.spec.model_copy(update={"data": job.spec.data.model_copy(update=data)})
     base = job.base_model
     if base is None:
-        return
+        return _with_spec(run_spec, spec)
     what, folder = f"job {base.job_id}'s export", model_dir
     gathered = model_dir.with_name(f"{model_dir.name}-checkpoint")
     if base.step is not None:
@@ -81,8 +81,13 @@ def localize(settings: WorkerSettings, run_spec: dict[str, Any], job: ResolvedJo
             _model_from_checkpoint(settings, base, folder, model_dir)
         finally:
             shutil.rmtree(gathered, ignore_errors=True)  # links only: the cache keeps the files
-    run_spec["job"]["spec"]["model"]["name_or_path"] = str(model_dir)
     log.info("model: %s is %s", what, model_dir)
+    return _with_spec(run_spec, spec.model_copy(update={
+        "model": spec.model.model_copy(update={"name_or_path": str(model_dir)})}))
+
+
+def _with_spec(run_spec: RunSpec, spec: JobSpec) -> RunSpec:
+    return run_spec.model_copy(update={"job": run_spec.job.model_copy(update={"spec": spec})})
 
 
 def _model_from_checkpoint(settings: WorkerSettings, base: StoredModel, tag_dir: Path, model_dir: Path) -> None:

@@ -18,7 +18,6 @@ def _shutting_down() -> bool:
 
 
 @app.task(name=RUN_JOB)
-def run_job(job_id: str, attempt: int, job_dir: str, run: dict[str, Any]) -> str:
-    """Run one attempt of a job; `run` is the RunSpec the control plane resolved."""
-    return supervise(job_id=job_id, attempt=attempt, job_dir=job_dir, run=run, settings=settings,
-                     stopping=_shutting_down).value
+def run_job(job_id: str, attempt: int, run: dict[str, Any]) -> str:
+    """Run one attempt of a job; `run` is the AttemptOrder the control plane sent."""
+    return supervise(job_id=job_id, attempt=attempt, run=run, settings=settings, stopping=_shutting_down).value

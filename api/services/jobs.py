@@ -18,7 +18,7 @@ from api.deps import store_of
 from api.errors import invalid
 from api.services import inputs
 from api.services.estimate import DryRun, estimate, placement
-from api.services.paths import check_locations, root_path
+from api.services.paths import check_locations
 from api.settings import ApiSettings, quota_defaults
 from contract.deepspeed import ResolveLimits, resolve
 from contract.protocol import CANCEL_KEY_TTL, cancel_key
@@ -67,7 +67,6 @@ async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
     resources = resolved.spec.resources
     job = store.NewJob(id=job_id, name=spec.name, queue=spec.resources.queue, request=request,
                        resolved=resolved.model_dump(mode="json"),
-                       job_dir=str(root_path(settings.artifacts_root) / "jobs" / job_id),
                        progress={"step": 0, "total_steps": spec.hyperparameters.max_steps}, metadata=spec.metadata,
                        # What a quota counts: every GPU of the job, on all its nodes.
                        owner=caller.owner, gpus=resources.num_gpus * resources.num_nodes, priority=resources.priority,
