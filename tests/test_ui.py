@@ -1,12 +1,12 @@
 """The web dashboard in a real headless Chromium (the system's package, driven by Selenium through the system's
 chromedriver; nothing is downloaded): the key pasted into the page, the job list showing a submitted job, the
 loss chart gaining points while a real job trains (its axes, ticks, eval markers, learning rate and legend), the
-chart's edge cases (no points, one, a flat loss, NaN losses, thousands of points), and the cancel button."""
+chart's edge cases (no points, one, a flat loss, NaN losses, thousands of points), and the cancel button: offered
+on a queued or running job, where it works, and never on one that ended."""
 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from contract.codes import UNFINISHED_STATUSES, JobStatus
 from tests.helpers import events_of, wait_for, wait_status
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -81,6 +82,21 @@ def ticks(labels: list[str], lo: float, hi: float) -> list[float]:
     return values
 
 
+# What a cancel can still act on: a job not yet ended, nor being cancelled already.
+CANCELLABLE = {s.value for s in UNFINISHED_STATUSES} - {JobStatus.CANCELLING.value}
+# The job's state as the page shows it and which buttons of the job's page are offered, read in one go (the page
+# polls the job every 2 s).
+READ_ACTIONS = """
+return [document.getElementById("j-status").textContent,
+        Array.from(document.querySelectorAll("#job button")).filter((b) => !b.hidden).map((b) => b.id)];
+"""
+
+
+def actions(browser: Any) -> tuple[str, list[str]]:
+    status, offered = js(browser, READ_ACTIONS)
+    return status, offered
+
+
 def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admin_key: str,
                                make_job: Any) -> None:
     from selenium.webdriver.common.by import By
@@ -96,13 +112,23 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     training = api.post("/jobs", json=make_job(name="ui-train", hyperparameters={"max_steps": 16,
                                                                                   "eval_every_steps": 4})).json()["id"]
     browser.get(f"{stack.api_url}/ui#job/{training}")
+    # Each look at the page while the job is queued, starts, trains and ends also notes what it offered.
+    looked: list[tuple[str, list[str]]] = []
+
+    def points() -> int:
+        looked.append(actions(browser))
+        return int(js(browser, "return +document.getElementById('curve').dataset.points"))
+
     # The curve gains points as the job trains: first a few, then more, drawn from the live stream.
-    first = wait_for(lambda: int(js(browser, "return +document.getElementById('curve').dataset.points")) or 0, 300,
-                     "the loss curve's first points", interval=0.3)
-    wait_for(lambda: int(js(browser, "return +document.getElementById('curve').dataset.points")) > first, 300,
-             "the curve to gain points while the job trains", interval=0.3)
+    first = wait_for(lambda: points() or 0, 300, "the loss curve's first points", interval=0.3)
+    wait_for(lambda: points() > first, 300, "the curve to gain points while the job trains", interval=0.3)
     wait_status(api, training, {"succeeded"}, 300)
-    wait_for(lambda: browser.find_element(By.ID, "j-status").text == "succeeded", 30, "the page to show the end")
+    wait_for(lambda: points() and looked[-1][0] == "succeeded", 30, "the page to show the end")
+    # Cancel was offered at every look while the job could be cancelled, running included, and at no other (the
+    # running job is left to finish: that the button works is shown on the parked job).
+    assert ("running", ["cancel"]) in looked, looked
+    assert [look for look in looked if (look[1] == ["cancel"]) != (look[0] in CANCELLABLE)] == [], looked
+    assert actions(browser) == ("succeeded", [])  # nothing to cancel once it ended
     # Every progress event the job has is on the curve, every evaluation has its marker at its step, and the
     # axes' ticks cover the steps, the losses and the learning rates the job reported.
     events = events_of(api, training, ["progress", "eval"])
@@ -133,15 +159,31 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
         "fetch(arguments[0], {headers: {Authorization: 'Bearer ' + sessionStorage.getItem('ft-key')}})"
         ".then((r) => r.arrayBuffer()).then((b) => done(b.byteLength));", config["url"])
     assert got == config["bytes"]
-    if os.environ.get("FT_UI_SCREENSHOT"):  # how the README's picture is made
-        browser.save_screenshot(os.environ["FT_UI_SCREENSHOT"])
 
     browser.get(f"{stack.api_url}/ui#job/{waiting}")
-    wait_for(lambda: browser.find_element(By.ID, "j-status").text == "queued", 30, "the parked job's page")
+    wait_for(lambda: actions(browser) == ("queued", ["cancel"]), 30, "the parked job's page offering Cancel")
+    assert browser.find_element(By.ID, "j-output").text == "none"  # no export to link before a job succeeded
     browser.find_element(By.ID, "cancel").click()
-    wait_for(lambda: browser.find_element(By.ID, "j-status").text == "cancelled", 30, "the page to show the cancel")
+    wait_for(lambda: actions(browser) == ("cancelled", []), 30, "the page to show the cancel, with no Cancel left")
     assert api.get(f"/jobs/{waiting}").json()["status"] == "cancelled"
     assert browser.find_element(By.ID, "error").text == ""
+
+    # Opened afresh, the ended job's page replays its whole stream, "running" state events included: Cancel is not
+    # offered at any moment of it. Each record's old value is the button's state before one change, however many
+    # changes one task made.
+    js(browser, """window.offered = [];
+        new MutationObserver((records) => { for (const r of records) window.offered.push(r.oldValue === null); })
+            .observe(document.getElementById("cancel"), {attributeFilter: ["hidden"], attributeOldValue: true});""")
+    js(browser, "location.hash = arguments[0]", f"#job/{training}")  # the same document: the observer stays
+    wait_for(lambda: chart(browser)["points"] == len(progress) and actions(browser) == ("succeeded", []), 30,
+             "the ended job's page, replayed")
+    assert browser.find_element(By.ID, "log").text.strip()
+    changes = js(browser, "return window.offered.concat([!document.getElementById('cancel').hidden])")
+    assert len(changes) > 1 and True not in changes, f"Cancel offered while an ended job's page loaded: {changes}"
+    # Every status the contract has: Cancel is offered on those a cancel can still act on, and on no other.
+    statuses = [s.value for s in JobStatus]
+    offered = js(browser, "return arguments[0].map((s) => { showStatus(s); return !$('cancel').hidden; });", statuses)
+    assert dict(zip(statuses, offered, strict=True)) == {s: s in CANCELLABLE for s in statuses}
 
 
 def test_chart_edge_cases(browser: Any, stack: Any) -> None:
