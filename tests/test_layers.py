@@ -214,3 +214,20 @@ def test_no_dict_run_spec_past_validation_in_the_worker_or_the_trainer() -> None
                     and node.slice.value in RUN_SPEC_KEYS):
                 offenders.append(f"{where(path, node.lineno)} [{node.slice.value!r}]")
     assert offenders == [], "\n".join(offenders)
+
+
+# The functions a training step runs through (trainer/recipe.py): fault injection for tests is put on the engine at
+# setup (trainer/oom.py `ForcedOOM.install`) or done by the test's own process control, never switched here.
+STEP_FUNCTIONS = {"_steps", "_optimizer_step", "_report_progress_if_due", "_between_steps"}
+
+
+def test_the_training_step_carries_no_test_switch() -> None:
+    tree = ast.parse((ROOT / "trainer" / "recipe.py").read_text())
+    found = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in STEP_FUNCTIONS}
+    assert found == STEP_FUNCTIONS, "the step functions were renamed: name them here"
+    offenders = [f"{f.name}: {n.attr if isinstance(n, ast.Attribute) else n.id}"
+                 for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in STEP_FUNCTIONS
+                 for n in ast.walk(f)
+                 if (isinstance(n, ast.Attribute) and n.attr in ("forced", "FORCE_ENV", "environ"))
+                 or (isinstance(n, ast.Name) and n.id in ("os", "FORCE_ENV"))]
+    assert offenders == [], offenders

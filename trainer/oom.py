@@ -109,3 +109,18 @@ class ForcedOOM:
             self.left -= 1
             raise torch.OutOfMemoryError(f"{FORCE_ENV}: forced out of memory in {phase} "
                                          f"({self.left} more forced tries)")
+
+    def install(self, engine: Any) -> None:
+        """Put the seam on this try's engine, once at setup: its forward, or its step at an accumulation boundary
+        (where the optimizer runs), raises as the device would. The training loop itself carries no test switch;
+        without FT_TEST_FORCE_OOM the engine is left as DeepSpeed built it."""
+        if self.left == 0 or self.phase not in ("forward", "step"):
+            return
+        real = getattr(engine, self.phase)
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if self.phase == "forward" or engine.is_gradient_accumulation_boundary():
+                self.check(self.phase)
+            return real(*args, **kwargs)
+
+        setattr(engine, self.phase, failing)

@@ -361,6 +361,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
     del model  # the engine holds it; a retry must be able to free it
+    session.forced.install(guard.engine)
     _loop(session, Try(job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable,
                        adjustments, swap_folder, loop_threads(get_accelerator().device_name(), spec.deepspeed)),
           guard)
@@ -450,7 +451,6 @@ def _optimizer_step(session: Session, run: Try, guard: Guard, loop: Loop,
     for k, rows in enumerate(order.micro_rows(state.epoch, state.next_batch, session.rank)):
         if guard.active:
             guard.phase = "forward"
-            session.forced.check("forward")
         loss = token_loss_sum(engine, train_blocks.batch(rows), device)
         engine.backward(loss * scale)
         loss_sum += loss.detach().float()  # no host sync per micro batch
@@ -458,7 +458,6 @@ def _optimizer_step(session: Session, run: Try, guard: Guard, loop: Loop,
         if guard.active and k == order.accum - 1:
             # The boundary's engine.step runs the optimizer (and, the first time, allocates its state).
             guard.phase = "step"
-            session.forced.check("step")
         engine.step()
     return loss_sum, lr
 
