@@ -6,6 +6,8 @@ a job of the caller's (continued fine-tuning). The submit records what it found 
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from api.services import checkpoints
@@ -36,9 +38,11 @@ FIELDS = ("train", "validation")
 MODEL_FIELD = "model.name_or_path"
 
 
-async def resolve(resolved: ResolvedJob, owner: str, store: Store) -> list[FieldError]:
-    """Record what `resolved` reads from the store; returns what is wrong."""
-    errors = await _data(resolved, owner)
+async def resolve(resolved: ResolvedJob, owner: str, store: Store,
+                  files_found: dict[str, dict[str, Any]] | None = None) -> list[FieldError]:
+    """Record what `resolved` reads from the store; returns what is wrong. `files_found`: the caller's file rows
+    this request already read, by id (a `/v1` create read them while it waited for their check)."""
+    errors = await _data(resolved, owner, files_found or {})
     errors += await _base_model(resolved, owner)
     return errors + await _checkpoint(resolved, owner, store)
 
@@ -109,7 +113,7 @@ async def _checkpoint(resolved: ResolvedJob, owner: str, store: Store) -> list[F
     return []
 
 
-async def _data(resolved: ResolvedJob, owner: str) -> list[FieldError]:
+async def _data(resolved: ResolvedJob, owner: str, files_found: dict[str, dict[str, Any]]) -> list[FieldError]:
     """Record the stored inputs of `resolved`'s data fields and take the data format from them where the spec
     left it unset. Another owner's file is reported as no file at all."""
     errors: list[FieldError] = []
@@ -121,7 +125,7 @@ async def _data(resolved: ResolvedJob, owner: str) -> list[FieldError]:
             continue
         field = f"data.{name}"
         try:
-            found = await files.get_for_owner(owner, value)
+            found = files_found.get(value) or await files.get_for_owner(owner, value)
         except NotFound:
             errors.append(FieldError(field, f"there is no file {value!r} of yours; upload one with POST /files"))
             continue

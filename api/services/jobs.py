@@ -31,13 +31,15 @@ def new_id() -> str:
     return "job_" + secrets.token_hex(10)
 
 
-async def prepare(*, settings: ApiSettings, spec: JobSpec, owner: str) -> tuple[dict[str, Any], ResolvedJob]:
+async def prepare(*, settings: ApiSettings, spec: JobSpec, owner: str,
+                  files_found: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, Any], ResolvedJob]:
     """What a submit checks and resolves (and a dry run, through the same function, so both refuse alike): the
-    request as sent and its resolution, or a 422 naming every bad field."""
+    request as sent and its resolution, or a 422 naming every bad field. `files_found`: file rows the caller
+    already read in this request, by id."""
     request = spec.model_dump(mode="json", exclude_unset=True)
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
-    errors += await inputs.resolve(resolved, owner, store_of(settings))
+    errors += await inputs.resolve(resolved, owner, store_of(settings), files_found or {})
     if errors:
         raise invalid(errors)
     return request, resolved
@@ -56,13 +58,13 @@ async def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
                   placement=placement(nodes, r.queue, r.num_nodes, r.num_gpus, found.gpu_bytes_per_device))
 
 
-async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
-                 idempotency_key: str | None = None) -> tuple[int, bytes]:
+async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal, idempotency_key: str | None = None,
+                 files_found: dict[str, dict[str, Any]] | None = None) -> tuple[int, bytes]:
     """Validate and resolve, then commit the row and its first event under the caller's owner and quota: the
     control plane's dispatcher sends it to the workers (woken by the row's trigger), so a submit never waits
     on Redis or the broker. Returns the status and JSON to answer with: for a retry with the same
     Idempotency-Key and body, those of the first answer."""
-    request, resolved = await prepare(settings=settings, spec=spec, owner=caller.owner)
+    request, resolved = await prepare(settings=settings, spec=spec, owner=caller.owner, files_found=files_found)
     job_id = new_id()
     resources = resolved.spec.resources
     job = store.NewJob(id=job_id, name=spec.name, queue=spec.resources.queue, request=request,

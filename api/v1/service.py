@@ -5,13 +5,13 @@ shaped as OpenAI's FineTuningJob, FineTuningJobEvent and FineTuningJobCheckpoint
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import datetime
 from typing import Any
 
 import orjson
 
+from api import filewait
 from api.access import Principal
 from api.errors import ApiError, ErrorCode
 from api.services import jobs as native
@@ -19,17 +19,13 @@ from api.settings import ApiSettings
 from api.v1 import hyperparameters as hp
 from api.v1 import names
 from contract.codes import EventKind, FailureCode, JobStatus
-from contract.files import FileStatus
 from contract.openai import EventType, Level, OpenAIStatus
 from contract.protocol import StateField
 from contract.spec import checkpoint_name, checkpoint_ref, is_file_id, is_job_id
-from db import files, reads
 from db import finetuning as store
+from db import reads
 from db.errors import NotFound
 from store import checkpoints as stored
-
-# How often a create looks again at a file still being validated.
-FILE_POLL_SECONDS = 0.2
 
 
 def seconds(value: Any) -> int | None:
@@ -99,32 +95,30 @@ async def native_model(name: str, caller: Principal) -> str:
 
 # -- create --
 
-async def wait_for_files(settings: ApiSettings, owner: str, file_ids: list[str]) -> None:
-    """Wait, at most FT_OPENAI_FILE_WAIT_SECONDS, for the named files the validator has not decided on yet:
-    scripts upload and create at once. What is still undecided then, the native submit refuses, naming it."""
+async def wait_for_files(settings: ApiSettings, owner: str, file_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Wait, at most FT_OPENAI_FILE_WAIT_SECONDS, for the named files the validator has not decided on yet
+    (api/filewait.py): scripts upload and create at once. Returns the rows found, for the submit to use rather than
+    read again; what is still undecided then, the native submit refuses, naming it."""
     deadline = time.monotonic() + settings.openai_file_wait_seconds
+    found: dict[str, dict[str, Any]] = {}
     for file_id in file_ids:
-        while True:
-            try:
-                row = await files.get_for_owner(owner, file_id)
-            except NotFound:
-                break  # refused by the submit, as no file of the caller's
-            if row["status"] != FileStatus.UPLOADED or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(FILE_POLL_SECONDS)
+        row = await filewait.waits.decided(owner, file_id, deadline)
+        if row is not None:  # None: refused by the submit, as no file of the caller's
+            found[file_id] = row
+    return found
 
 
 async def create(*, settings: ApiSettings, body: hp.FineTuningJobCreate, caller: Principal,
                  idempotency_key: str | None) -> tuple[int, dict[str, Any]]:
     hp.chosen_hyperparameters(body)  # refuses what is not supported before anything is looked up
     model = await native_model(body.model, caller)
-    await wait_for_files(settings, caller.owner,
-                         [f for f in (body.training_file, body.validation_file) if f and is_file_id(f)])
+    found = await wait_for_files(settings, caller.owner,
+                                 [f for f in (body.training_file, body.validation_file) if f and is_file_id(f)])
     defaults = hp.parse_defaults(settings.openai_job_defaults)
     spec, param = hp.native_spec(body, model=model, defaults=defaults)
     try:
         status, answer = await native.create(settings=settings, spec=spec, caller=caller,
-                                             idempotency_key=idempotency_key)
+                                             idempotency_key=idempotency_key, files_found=found)
     except ApiError as exc:
         raise hp.renamed(exc, param) from None
     job = orjson.loads(answer)
