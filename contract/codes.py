@@ -55,7 +55,7 @@ class EventKind(str, enum.Enum):
     PROGRESS = "progress"
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
-    RESOLVED = "resolved"  # the micro batch the trainer measured or changed
+    RESOLVED = "resolved"  # the batch the trainer settled on the data, or the micro batch it measured or changed
     ADAPTED = "adapted"  # the trainer changed a setting after an out-of-memory error
     RESUMED = "resumed"  # an elastic resume on another world size
     INTERRUPTED = "interrupted"
@@ -63,6 +63,37 @@ class EventKind(str, enum.Enum):
     ERROR = "error"
     # Written by the ingester for a stream entry it cannot read (controlplane/ingest.py).
     UNREADABLE = "unreadable"
+
+
+class WebhookEvent(str, enum.Enum):
+    """What a webhook delivery announces (its `event`, the X-FT-Event header): a state the job row reached, a
+    requeue, a committed checkpoint."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    RUNNING = "job.running"
+    SUCCEEDED = "job.succeeded"
+    FAILED = "job.failed"
+    CANCELLED = "job.cancelled"
+    REQUEUED = "job.requeued"
+    CHECKPOINT = "job.checkpoint"
+
+
+class AuditAction(str, enum.Enum):
+    """`audit_log.action`: what an actor did."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    JOB_SUBMIT = "job.submit"
+    JOB_CANCEL = "job.cancel"
+    FILE_UPLOAD = "file.upload"
+    FILE_DELETE = "file.delete"
+    KEY_CREATE = "key.create"
+    KEY_REVOKE = "key.revoke"
+    QUOTA_SET = "quota.set"
+    WEBHOOK_SET = "webhook.set"
 
 
 class DeliveryStatus(str, enum.Enum):

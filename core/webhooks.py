@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from contract.codes import WebhookEvent
 from contract.spec import text_problem
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -37,7 +38,7 @@ RESOLVE_TIMEOUT_SECONDS = 3.0
 MAX_URL_CHARS = 2048
 
 # Job events a receiver is told about: a state the job row reached, a requeue, a committed checkpoint.
-EVENT_TYPES = ("job.running", "job.succeeded", "job.failed", "job.cancelled", "job.requeued", "job.checkpoint")
+EVENT_TYPES = tuple(e.value for e in WebhookEvent)
 
 
 class Refused(ValueError):

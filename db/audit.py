@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 import orjson
 
+from contract.codes import AuditAction
 from db import jsonw
 from db import pool as pg
 
@@ -25,9 +26,10 @@ PAGE = ("SELECT seq, at, key_id, owner, action, subject, data::text FROM audit_l
 Actor = Mapping[str, str | None] | None
 
 
-async def record(conn: asyncpg.Connection, actor: Actor, action: str, subject: str, data: dict[str, Any]) -> None:
+async def record(conn: asyncpg.Connection, actor: Actor, action: AuditAction, subject: str,
+                 data: dict[str, Any]) -> None:
     """Within the caller's transaction on `conn`."""
-    await conn.execute(RECORD, actor["key_id"] if actor else None, actor["owner"] if actor else None, action,
+    await conn.execute(RECORD, actor["key_id"] if actor else None, actor["owner"] if actor else None, str(action),
                        subject, jsonw.dumps(data))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
+from contract.codes import TERMINAL_STATUSES, AuditAction, EventKind, JobStatus
 from db import audit, events, files, idempotency, jsonw, quotas, reads
 from db import pool as pg
 from db.errors import Conflict, NotFound, QuotaExceeded
@@ -43,7 +43,8 @@ WITH usage AS ({{usage}}), job AS (
     SELECT $15::text, id, $16, 1, $17, $18, $19, $20::jsonb, now() FROM job WHERE $15::text IS NOT NULL
 ), audited AS (
     {audit.INSERT}
-    SELECT now(), $13, $8, 'job.submit', id, jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
+    SELECT now(), $13, $8, '{AuditAction.JOB_SUBMIT.value}', id,
+           jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
 )
 SELECT (SELECT {{job_json}} FROM job), usage.jobs, usage.gpus FROM usage"""
 INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$8"), job_json=reads.JOB_JSON)
@@ -166,7 +167,8 @@ async def cancel(*, job_id: str, owner: str | None, actor: dict[str, str | None]
                                   status=status.value, attempt=row["attempt"], request=_loads(row["request_json"]),
                                   error=_loads(row["error_json"]), output=_loads(row["output_json"]), event_seq=seq)
             await events.append_async(conn, job, EventKind.STATE, data)
-            await audit.record(conn, actor, "job.cancel", job_id, {"owner": row["owner"], "status_before": before})
+            await audit.record(conn, actor, AuditAction.JOB_CANCEL, job_id,
+                               {"owner": row["owner"], "status_before": before})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
 

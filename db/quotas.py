@@ -14,7 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from contract.codes import UNFINISHED_STATUSES, sql_list
+from contract.codes import UNFINISHED_STATUSES, AuditAction, sql_list
 from db import audit
 from db import pool as pg
 
@@ -82,7 +82,7 @@ async def put(*, owner: str, max_active_jobs: int | None, max_gpus: int | None, 
         async with (await pg.pool()).acquire() as conn:
             async with conn.transaction():
                 await conn.execute(PUT, owner, max_active_jobs, max_gpus, max_stored_bytes)
-                await audit.record(conn, actor, "quota.set", owner, {
+                await audit.record(conn, actor, AuditAction.QUOTA_SET, owner, {
                     "max_active_jobs": max_active_jobs, "max_gpus": max_gpus, "max_stored_bytes": max_stored_bytes})
             return await _get(conn, owner, defaults, stored_default)
     except pg.UNREACHABLE as exc:

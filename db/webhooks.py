@@ -22,7 +22,7 @@ import asyncpg
 import psycopg
 from sqlalchemy import text
 
-from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
+from contract.codes import TERMINAL_STATUSES, AuditAction, EventKind, JobStatus, WebhookEvent
 from core import secretbox, webhooks
 from db import audit
 from db import pool as pg
@@ -55,14 +55,14 @@ def event_type(job: JobView, kind: str, data: dict[str, Any]) -> str | None:
     """The webhook event an appended job event is, or None. State events count only where the row now has
     that state: an event the ingester kept but ignored (the job had ended) or a duplicate announces nothing."""
     if kind == EventKind.CHECKPOINT:
-        return "job.checkpoint" if data.get("committed") and job.status not in TERMINAL_STATUSES else None
+        return WebhookEvent.CHECKPOINT if data.get("committed") and job.status not in TERMINAL_STATUSES else None
     if kind != EventKind.STATE or "ignored" in data:
         return None
     status = data.get("status")
     if status == JobStatus.QUEUED and "previous_attempt" in data and job.status == JobStatus.QUEUED:
-        return "job.requeued"
+        return WebhookEvent.REQUEUED
     if status in (JobStatus.RUNNING, *TERMINAL_STATUSES) and job.status == status:
-        return f"job.{status}"
+        return WebhookEvent(f"job.{status}")
     return None
 
 
@@ -72,14 +72,14 @@ ERROR_FIELD = EventKind.ERROR.value
 
 def _details(job: JobView, event: str, data: dict[str, Any]) -> dict[str, Any]:
     """What the receiver needs of the event; the job's full record is one `GET /jobs/{id}` away."""
-    if event == "job.checkpoint":
+    if event == WebhookEvent.CHECKPOINT:
         return {"step": data.get("step"), "path": data.get("path")}
-    if event == "job.failed":
+    if event == WebhookEvent.FAILED:
         error = job.error or data.get(ERROR_FIELD) or {}
         return dict(error={"code": error.get("code"), "message": error.get("message")})
-    if event == "job.succeeded":
+    if event == WebhookEvent.SUCCEEDED:
         return {"output": job.output}
-    if event in ("job.cancelled", "job.requeued"):
+    if event in (WebhookEvent.CANCELLED, WebhookEvent.REQUEUED):
         return {k: data[k] for k in ("reason", "previous_attempt") if k in data}
     return {}
 
@@ -158,7 +158,7 @@ async def put_owner(*, owner: str, url: str | None, rotate: bool, sealed: str, p
     try:
         async with (await pg.pool()).acquire() as conn, conn.transaction():
             row = await conn.fetchrow(PUT_OWNER, owner, url, sealed, rotate, prefix)
-            await audit.record(conn, actor, "webhook.set", owner, {"url": url, "secret_made": bool(row[1])})
+            await audit.record(conn, actor, AuditAction.WEBHOOK_SET, owner, {"url": url, "secret_made": bool(row[1])})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
     return json.loads(row[0]), bool(row[1])
