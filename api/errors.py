@@ -72,7 +72,7 @@ _DESCRIPTIONS = {
     400: "The body is not what the content type says (a multipart body cut short); `field` names the part",
     401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired",
     403: "The key lacks the scope this needs; the message names it",
-    404: "No such job or key (another owner's job is not found either)",
+    404: "No such job, file or key (another owner's is not found either); on a list, no such row as `after` names",
     409: "The job's state does not allow this, the Idempotency-Key was used with another body, or a job that has not "
          "ended uses the file (`file_in_use`)",
     413: "The body is larger than the limit (1 MiB; an uploaded file: the service's FT_MAX_FILE_BYTES)",
@@ -238,9 +238,11 @@ def unavailable(what: str, path: str = "") -> JSONResponse:
 
 
 def store_unavailable(exc: BaseException) -> ApiError:
-    """The artifact store could not be read (unreachable, or refusing): a 503 to retry, as for the database."""
-    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read ({error_line(exc)}); retry "
-                    f"in {RETRY_AFTER_SECONDS} s", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    """The artifact store could not be read (unreachable, or refusing): a 503 to retry, as for the database. The
+    store's own words stay in the log: they name its folder or its endpoint, which a client never sees."""
+    log.warning("the artifact store could not be read: %s", error_line(exc))
+    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read; retry in "
+                    f"{RETRY_AFTER_SECONDS} s", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def allowed_methods(routes: Sequence[BaseRoute], scope: Scope) -> str:

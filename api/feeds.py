@@ -209,9 +209,10 @@ async def _catch_up(job_id: str, after: int, types: list[str] | None) -> list[Ev
             delay = min(delay * 2, RETRY_MAX_SECONDS)
 
 
-async def follow(job_id: str, after: int, types: list[str] | None,
-                 render: Callable[[Event], str]) -> AsyncIterator[str]:
-    """Rendered events after `after` until the job has ended and every event was sent."""
+async def follow(job_id: str, after: int, types: list[str] | None, render: Callable[[Event], str],
+                 shown: Callable[[str], str] = str) -> AsyncIterator[str]:
+    """Rendered events after `after` until the job has ended and every event was sent; `shown` rewrites each
+    chunk as a client may see it (api/services/paths.server_paths)."""
     wanted = set(types) if types else None
     feed = feed_for(job_id)
     feed.followers += 1
@@ -230,7 +231,7 @@ async def follow(job_id: str, after: int, types: list[str] | None,
                 chunk = "".join(render(e) for e in batch if wanted is None or e.type in wanted)
                 after = batch[-1].seq
                 if chunk:
-                    yield chunk
+                    yield shown(chunk)
                     last_sent = time.monotonic()
                 continue
             if feed.ended and feed.last_seq is not None and after >= feed.last_seq:

@@ -14,9 +14,6 @@ class ApiSettings(StoreSettings):
     # Where `make up` (scripts/stack.py) starts the API; the compose file's API listens on 0.0.0.0:8000.
     host: str = "127.0.0.1"
     port: int = 8000
-    model_root: str = "./var/models"
-    data_root: str = "./var/data"
-    nvme_root: str = "/local_nvme"
     allow_hub_models: bool = True
     trust_remote_code_models: str = ""  # comma-separated model ids allowed to run their own code
     # Removed: one shared token for everyone. Set, it stops the API from starting (see _no_shared_token).

@@ -38,10 +38,13 @@ def local_family_problem(model_dir: str | Path, stages: int) -> str | None:
         return None
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return f"cannot read {path} to check that the model can be split: {exc}"
+    except OSError as exc:
+        # Named relative to the model: a client never sees where the model root is (core/serverpaths.py).
+        return f"cannot read the model's config.json to check that it can be split: {exc.strerror or exc}"
+    except ValueError as exc:
+        return f"cannot read the model's config.json to check that it can be split: {exc}"
     if not isinstance(config, dict):
-        return f"{path} is not a JSON object"
+        return "the model's config.json is not a JSON object"
     return family_problem(config, stages)
 
 

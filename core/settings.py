@@ -24,6 +24,11 @@ class SharedSettings(BaseSettings):
     broker_url: str | None = None  # defaults to redis_url
     # Shared storage: the API and every worker see the same paths.
     artifacts_root: str = "./var/artifacts"
+    # Where a job's model and data lie (the API checks a job's paths against them, and a worker's messages name
+    # paths relative to them: core/serverpaths.py), and where NVMe offload may write.
+    model_root: str = "./var/models"
+    data_root: str = "./var/data"
+    nvme_root: str = "/local_nvme"
     # The artifact store (store/): uploaded files and exports. file://<folder> on one machine; s3://<bucket>/<prefix>
     # for a cluster, with the S3 server's URL (unset for AWS) and the standard AWS_* credentials.
     store_url: str = "file://./var/store"

@@ -139,13 +139,13 @@ async def hold_for_job(conn: asyncpg.Connection, owner: str, named: dict[str, st
 
 async def page(*, owner: str | None, limit: int, after: str | None, oldest_first: bool = False,
                purpose: str | None = None) -> dict[str, Any]:
-    """Newest first (or oldest first), `limit` files after the file `after` (one the caller can see, or Invalid),
+    """Newest first (or oldest first), `limit` files after the file `after` (one the caller can see, or NotFound),
     of one purpose where given."""
     page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchrow(CURSOR, after) if owner is None else pg.fetchrow(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
-            raise Invalid(f"{after!r} is not a file id; pass the last id of the previous page", "after")
+            raise NotFound(f"no file {after!r} to page after; pass the last id of the previous page", "after")
         beyond = ">" if oldest_first else "<"
         page.where_(f"(created_at, id) {beyond} ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
     page.equal("owner", owner)

@@ -15,7 +15,7 @@ import orjson
 from contract.codes import EventKind, JobStatus
 from db import keyset, reads
 from db import pool as pg
-from db.errors import Invalid
+from db.errors import NotFound
 
 # The job a job continues from is its model (`job_…`, contract/spec.py `is_job_id`), or the job before the `@` of a
 # checkpoint's name (`job_…@step-N`, `checkpoint_ref`); a chain is followed at most this far, which no real chain
@@ -62,7 +62,8 @@ async def jobs_page(*, owner: str | None, limit: int, after: str | None,
     if after is not None:
         cursor = await (pg.fetchval(CURSOR, after) if owner is None else pg.fetchval(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
-            raise Invalid(f"{after!r} is not a job of yours; pass the last id of the previous page", "after")
+            raise NotFound(f"no job {after!r} of yours to page after; pass the last id of the previous page",
+                           "after")
         page.where_(f"seq < {page.arg(cursor)}")
     page.equal("owner", owner)
     if metadata == {}:

@@ -64,12 +64,12 @@ async def create(*, owner: str, scopes: list[str], secret_hash: bytes, prefix: s
 
 
 async def listing(*, owner: str | None, limit: int, after: str | None) -> dict[str, Any]:
-    """Newest first, `limit` keys after the key `after` (Invalid where it is no key)."""
+    """Newest first, `limit` keys after the key `after` (NotFound where it is no key)."""
     page = keyset.Page()
     if after is not None:
         cursor = await pg.fetchrow(CURSOR, after)
         if cursor is None:
-            raise Invalid(f"{after!r} is not a key id; pass the last id of the previous page", "after")
+            raise NotFound(f"no key {after!r} to page after; pass the last id of the previous page", "after")
         page.where_(f"(created_at, id) < ({page.arg(cursor['created_at'])}, {page.arg(cursor['id'])})")
     page.equal("owner", owner)
     rows = await pg.fetch(page.sql(COLUMNS, "api_keys", "created_at DESC, id DESC", limit), *page.args)

@@ -16,7 +16,7 @@ from typing import Any
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 from db import keyset
 from db import pool as pg
-from db.errors import Invalid, NotFound
+from db.errors import NotFound
 
 # Progress keys every reader may rely on, null until the trainer reports them.
 PROGRESS_DEFAULTS = ('\'{"step": 0, "total_steps": null, "epoch": null, "loss": null, '
@@ -69,12 +69,13 @@ CURSOR_FOR_OWNER = "SELECT seq FROM jobs WHERE id = $1 AND owner = $2"
 async def jobs_page(*, status: str | None, queue: str | None, limit: int, after: str | None,
                     owner: str | None = None) -> bytes:
     """Newest first, `limit` rows after the job `after`: a keyset page on (owner, seq), (status, seq),
-    (queue, seq) or seq. The cursor is a job the caller can see, or it is refused like an unknown one."""
+    (queue, seq) or seq. The cursor is a job the caller can see, or NotFound (another owner's job as an unknown
+    one): ids are random, so an id of no row names no place in the list."""
     page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchval(CURSOR, after) if owner is None else pg.fetchval(CURSOR_FOR_OWNER, after, owner))
         if cursor is None:
-            raise Invalid(f"{after!r} is not a job id; pass the last id of the previous page", "after")
+            raise NotFound(f"no job {after!r} to page after; pass the last id of the previous page", "after")
         page.where_(f"seq < {page.arg(cursor)}")
     for column, value in (("owner", owner), ("status", status), ("queue", queue)):
         page.equal(column, value)

@@ -24,6 +24,7 @@ from store.objects import Store
 from tests.conftest import create_key
 from tests.helpers import events_of, free_port, wait_for, wait_status
 from tests.s3_support import CREDENTIALS, S3Server
+from tests.serverpaths import on_server
 from tests.test_cli import ft_env
 
 # This checkout's command line (`python -m ftcli.main` is what the `ft` entry point runs), whichever checkout the
@@ -90,7 +91,8 @@ def test_the_export_is_in_the_store_with_its_manifest_and_listed_by_the_api(
     assert manifest["step"] == 4 and manifest["bytes"] == sum(stored.values())
     # The job's output: the manifest's files, where they are in the store, and the node's path as before.
     assert output["files"] == manifest["files"] and output["store"] == output_prefix(job_id)
-    assert output["bytes"] == manifest["bytes"] and Path(output["path"], "model.safetensors").is_file()
+    assert output["bytes"] == manifest["bytes"]
+    assert (on_server(output["path"], stack_env["FT_ARTIFACTS_ROOT"]) / "model.safetensors").is_file()
 
     listing = api.get(f"/jobs/{job_id}/output")
     assert listing.status_code == 200, listing.text

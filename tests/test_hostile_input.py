@@ -28,6 +28,7 @@ from contract.spec import RAW_CONFIG_MAX_BYTES, json_problem
 from scripts.stack import ROOT
 from tests.apiproc import ApiProcess, TcpProxy, add_key, fixed_key, fresh_database, make_roots
 from tests.helpers import free_port, wait_for
+from tests.serverpaths import known_directories, leaks, request_text
 
 TOKEN = fixed_key("hostile")  # an admin key, stored in the module's database
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -65,8 +66,25 @@ def guarded(hostile_db: str, redis_url: str, roots: dict[str, str],
 
 
 @pytest.fixture(scope="module")
-def client(guarded: ApiProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=30) as c:
+def client(guarded: ApiProcess, roots: dict[str, str]) -> Iterator[httpx.Client]:
+    """The cases' client: every answer it gets, to every case of this module, is held to showing no server path."""
+    directories = known_directories(*roots.values())
+
+    def no_server_path(r: httpx.Response) -> None:
+        if not r.headers.get("content-type", "").startswith(("application/json", "text/")):
+            return
+        r.read()
+        try:
+            body = r.request.content
+        except httpx.RequestNotRead:  # a streamed body (the cut-off cases): what it sent holds no path
+            body = b""
+        sent = request_text(r.request.method, str(r.request.url), body)
+        found = leaks(r.text, directories, sent)
+        assert not found, (f"{r.request.method} {r.request.url.path} answered {r.status_code} showing server paths "
+                           f"{found}: {r.text[:2000]}")
+
+    with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=30,
+                      event_hooks={"response": [no_server_path]}) as c:
         yield c
 
 

@@ -22,9 +22,11 @@ from tests.helpers import (
     wait_no_processes,
     wait_status,
 )
+from tests.serverpaths import known_directories, leaks, on_server
 
 
-def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make_job: Any) -> None:
+def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make_job: Any,
+                                                         roots: dict[str, Path]) -> None:
     r = api.post("/jobs", json=make_job(name="happy"))
     assert r.status_code == 201, r.text
     job = r.json()
@@ -50,7 +52,8 @@ def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make
     assert final["started_at"] and final["finished_at"]
     committed = [c for c in final["checkpoints"] if c["committed"]]
     assert [c["step"] for c in committed] == [16, 24], final["checkpoints"]
-    assert all((Path(c["path"]) / "COMMITTED").is_file() for c in committed)
+    # Where each is on the node, shown relative to the artifacts root (no server path reaches a client).
+    assert all((on_server(c["path"], roots["artifacts"]) / "COMMITTED").is_file() for c in committed)
 
     out = final["output"]
     # Each file with its size and digest, as the export's manifest in the artifact store lists it.
@@ -59,8 +62,8 @@ def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(out["path"])
-    model = AutoModelForCausalLM.from_pretrained(out["path"])
+    tok = AutoTokenizer.from_pretrained(on_server(out["path"], roots["artifacts"]))
+    model = AutoModelForCausalLM.from_pretrained(on_server(out["path"], roots["artifacts"]))
     ids = tok("The module", return_tensors="pt").input_ids
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -210,3 +213,32 @@ def test_a_job_past_its_time_limit_is_stopped_and_fails_with_time_limit(api: htt
     assert interrupted and interrupted[0]["reason"] == "SIGTERM"
     assert any(c["step"] == interrupted[0]["step"] and c["committed"] for c in final["checkpoints"])
     wait_no_processes(job["id"], 5, "every process of the job to be gone")
+
+
+def test_a_data_error_names_the_file_as_the_job_did_and_no_server_path(api: httpx.Client, make_job: Any,
+                                                                       roots: dict[str, Path]) -> None:
+    # A file that exists (the submit passes) whose second line has no `text`: the trainer fails on it, naming the
+    # file by its absolute path; what the client reads names it as the job did, relative to the data root.
+    bad = roots["data"] / "no-server-paths" / "train.jsonl"
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_text('{"text": "a line the trainer reads"}\n{"body": "and one it refuses"}\n')
+    job = api.post("/jobs", json=make_job(name="bad-data", data={"train": "no-server-paths/train.jsonl",
+                                                                 "validation": None, "format": "jsonl"},
+                                          hyperparameters={"max_steps": 2}, resources={"num_gpus": 1}))
+    assert job.status_code == 201, job.text
+    final = wait_status(api, job.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=300)
+    error = final["error"]
+    assert final["status"] == "failed" and error["code"] == "data_error", error
+    assert "no-server-paths/train.jsonl line 2: missing field 'text'" in error["message"], error["message"]
+    assert "/no-server-paths" not in error["message"], error["message"]
+    directories = known_directories(*roots.values())
+    # The check can fail: the trainer's own report in the attempt's folder names the file by its server path.
+    logs = roots["artifacts"] / "jobs" / final["id"] / "attempts"
+    raw = [line for f in logs.glob("*/logs*/*") for line in f.read_text(errors="replace").splitlines()
+           if "missing field 'text'" in line]
+    assert raw and all(leaks(line, directories) for line in raw), raw
+    # Nor in the log tail beside it (a traceback's frames), the job, its events and its log: no root.
+    assert not leaks(error["message"] + "\n" + error.get("log_tail", ""), directories), error
+    for answer in (api.get(f"/jobs/{final['id']}"), api.get(f"/jobs/{final['id']}/events", params={"limit": 1000}),
+                   api.get(f"/jobs/{final['id']}/logs")):
+        assert not [d for d in directories if d in answer.text], answer.text[-3000:]

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from contract.codes import FailureCode, JobStatus
+from core.serverpaths import ServerPaths, host_directories, python_directories, store_folder
+from worker.ops import extensions_dir
+from worker.settings import WorkerSettings
 
 # Ordered: the first pattern found in the log tail names the error.
 LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [
@@ -23,6 +26,19 @@ LOG_PATTERNS: list[tuple[FailureCode, re.Pattern[str]]] = [
     (FailureCode.MODEL_LOAD_ERROR,
      re.compile(r"OSError: .*(config\.json|not a valid model identifier)|ModelLoadError")),
 ]
+
+
+def server_paths(settings: WorkerSettings) -> ServerPaths:
+    """What a client may read of this node's folders in an attempt's events, its error and its log lines: paths
+    relative to the model and data roots (as the job named them), to the other roots behind their label
+    (`<artifacts>/jobs/job_…/checkpoints/…`, `<cache>/…`), to where Python and the service are installed
+    (`<site-packages>/torch/…`, `trainer/data.py`), to the home and temporary folders. Applied to everything
+    the worker publishes (worker/publisher.py), so the job's row, its events and its webhooks hold no path of the
+    server's; a path outside all of these (a system library in a compiler's message) is left as it is."""
+    return ServerPaths([(settings.model_root, ""), (settings.data_root, ""), (settings.nvme_root, ""),
+                        (settings.artifacts_root, "<artifacts>"), (store_folder(settings.store_url), "<store>"),
+                        (settings.cache_root, "<cache>"), (extensions_dir(settings), "<torch_extensions>"),
+                        *python_directories(), *host_directories()])
 
 
 # The DeepSpeed launcher logs the first failed rank's exit code (a signal as -N) and exits with it as a

@@ -51,13 +51,14 @@ router.add_api_route("", upload_file, methods=["POST"], status_code=201, respons
                      openapi_extra={**WRITE, **UPLOAD_BODY})
 
 
-@router.get("", response_model=FileList, openapi_extra=READ)
+@router.get("", response_model=FileList, responses=responses(404), openapi_extra=READ)
 async def list_files(caller: CallerDep,
                      owner: Annotated[str | None, Query(pattern=OWNER_PATTERN, description=(
                          "Only this owner's files (admin; other keys see only their own owner's)"))] = None,
                      limit: Annotated[int, Query(ge=1, le=200)] = 20,
                      after: Annotated[str | None, Query(pattern=FILE_ID_PATTERN, description=(
-                         "The last id of the previous page: a file the caller can see (another is a 422)"))] = None,
+                         "The last id of the previous page: a file the caller can see (a file id of no such file "
+                         "is a 404)"))] = None,
                      ) -> dict[str, Any]:
     """The caller's owner's files, newest first; an admin sees every owner's (or one's, with `owner`)."""
     if not caller.admin:

@@ -17,7 +17,7 @@ from db import keys as service
 router = APIRouter(prefix="/keys", tags=["keys"], route_class=StrictJSONRoute,
                    responses=responses(401, 403, 413, 422, 503))
 KEY_ID = r"^[A-Za-z0-9_-]{1,40}$"
-# What `POST /keys` makes (db/keys.py new_id): a list cursor is one of those, or it cannot match.
+# What `POST /keys` makes (db/keys.py new_id): a list cursor of another form is a 422, one of no key a 404.
 KEY_ID_PATTERN = r"^key_[0-9a-f]{16}$"
 ADMIN = scoped(Scope.ADMIN)
 
@@ -30,11 +30,11 @@ async def create_key(body: KeyCreate, caller: CallerDep) -> dict[str, Any]:
     return {**key, "key": secret}
 
 
-@router.get("", response_model=KeyList, openapi_extra=ADMIN)
+@router.get("", response_model=KeyList, responses=responses(404), openapi_extra=ADMIN)
 async def list_keys(owner: Annotated[str | None, Query(pattern=OWNER_PATTERN)] = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               after: Annotated[str | None, Query(pattern=KEY_ID_PATTERN, description=(
-                  "The last id of the previous page (an id that is no key's is a 422)"))] = None) -> dict[str, Any]:
+                  "The last id of the previous page (a key id of no key is a 404)"))] = None) -> dict[str, Any]:
     """Every key (revoked ones too), newest first, without secrets."""
     return await service.listing(owner=owner, limit=limit, after=after)
 

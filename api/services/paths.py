@@ -1,4 +1,5 @@
-"""Checks a job's model and data locations against the configured roots and makes them absolute."""
+"""Checks a job's model and data locations against the configured roots and makes them absolute; a client reads
+them relative to the roots again (`server_paths`), and a refusal names them as the client did."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from api.settings import ApiSettings
 from contract.problems import FieldError
 from contract.spec import JobSpec, checkpoint_ref, is_file_id, is_job_id
 from contract.stages import local_family_problem
+from core.serverpaths import ServerPaths, store_folder
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -18,6 +20,20 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 def root_path(root: str) -> Path:
     """A configured root, resolved once per process (the settings do not change while it runs)."""
     return Path(root).resolve()
+
+
+@lru_cache(maxsize=8)
+def _server_paths(model_root: str, data_root: str, nvme_root: str, artifacts_root: str, store_url: str) -> ServerPaths:
+    return ServerPaths([(model_root, ""), (data_root, ""), (nvme_root, ""), (artifacts_root, "<artifacts>"),
+                        (store_folder(store_url), "<store>")])
+
+
+def server_paths(settings: ApiSettings) -> ServerPaths:
+    """What the API shows of the service's roots: a job's resolved spec holds its model and data as absolute paths
+    (what the trainer runs from), its checkpoints and export their node folders; a client reads them relative to
+    their roots, as it named them (docs/api.md, "Server paths")."""
+    return _server_paths(settings.model_root, settings.data_root, settings.nvme_root, settings.artifacts_root,
+                         settings.store_url)
 
 
 def _under(root: Path, candidate: str) -> Path | None:
@@ -39,14 +55,23 @@ def _exists(path: Path, *, directory: bool) -> bool:
         return False
 
 
+def _as_named(root: Path, value: str) -> str:
+    """A location as a message shows it: relative to its root. A client never sees where a root is on the server
+    (core/serverpaths.py), not even where it sent an absolute path under it."""
+    path = Path(value)
+    if path.is_absolute() and (path == root or root in path.parents):
+        return str(path.relative_to(root))
+    return value
+
+
 def _file_under(root_s: str, value: str, field: str, errors: list[FieldError]) -> str | None:
     root = root_path(root_s)
     full = _under(root, value)
     if full is None:
-        errors.append(FieldError(field, f"{value!r} is outside the data root {root}; give a path under it"))
+        errors.append(FieldError(field, f"{value!r} is outside the data root; give a path relative to it"))
         return None
     if not _exists(full, directory=False):
-        errors.append(FieldError(field, f"{value!r} does not exist under the data root {root}"))
+        errors.append(FieldError(field, f"{_as_named(root, value)!r} does not exist under the data root"))
         return None
     return str(full)
 
@@ -68,16 +93,16 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
             errors.append(FieldError("resources.pipeline_stages", f"{stages} stages: {problem}"))
     elif name.startswith(("/", ".", "~")):
         where = "is outside" if local is None else "does not exist under"
-        errors.append(FieldError("model.name_or_path",
-                                 f"{name!r} {where} the model root {model_root}; give a directory under it"))
+        errors.append(FieldError("model.name_or_path", f"{_as_named(model_root, name)!r} {where} the model root; "
+                                                       "give a directory relative to it"))
     elif not HUB_ID.match(name):
         errors.append(FieldError("model.name_or_path",
-                                 f"{name!r} is neither a directory under the model root {model_root} "
-                                 "nor a hub id such as 'org/name'"))
+                                 f"{name!r} is neither a directory under the model root nor a hub id such as "
+                                 "'org/name'"))
     elif not settings.allow_hub_models:
         errors.append(FieldError("model.name_or_path",
-                                 f"{name!r} is not a directory under the model root {model_root}, and hub "
-                                 "models are disabled on this service (FT_ALLOW_HUB_MODELS)"))
+                                 f"{name!r} is not a directory under the model root, and hub models are disabled "
+                                 "on this service (FT_ALLOW_HUB_MODELS)"))
     if spec.model.trust_remote_code:
         allowed = {m.strip() for m in settings.trust_remote_code_models.split(",") if m.strip()}
         if name not in allowed:
@@ -97,8 +122,8 @@ def check_locations(spec: JobSpec, settings: ApiSettings) -> list[FieldError]:
     if ds.nvme_path is not None:
         full = _under(root_path(settings.nvme_root), ds.nvme_path)
         if full is None:
-            errors.append(FieldError("deepspeed.nvme_path",
-                                     f"{ds.nvme_path!r} is outside the NVMe root {settings.nvme_root}"))
+            errors.append(FieldError("deepspeed.nvme_path", f"{ds.nvme_path!r} is outside the NVMe root; give a "
+                                                            "path relative to it"))
         else:
             ds.nvme_path = str(full)
     return errors

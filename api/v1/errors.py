@@ -79,7 +79,8 @@ _DESCRIPTIONS = {
     400: "A parameter is invalid or missing (`param` names it), or the body is not what its content type says",
     401: "No valid API key (`Authorization: Bearer <key>`): missing, unknown, revoked or expired (`invalid_api_key`)",
     403: "The key lacks the scope this needs; the message names it",
-    404: "No such object (another owner's is not found either), or no such route",
+    404: "No such object (another owner's is not found either), or no such route; on a list, no such object as "
+         "`after` names (`param`: after)",
     409: "The object's state does not allow this (`file_in_use`: a job that has not ended uses the file; a job that "
          "has ended cannot be cancelled), or the Idempotency-Key was used with another body",
     413: "The body is larger than the limit (1 MiB; an uploaded file: the service's FT_MAX_FILE_BYTES)",

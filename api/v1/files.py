@@ -97,10 +97,10 @@ router.add_api_route("", create_file, methods=["POST"], response_model=FileObjec
                      openapi_extra={**WRITE, **UPLOAD_BODY})
 
 
-@router.get("", response_model=FileObjectList, openapi_extra=READ)
+@router.get("", response_model=FileObjectList, responses=responses(404), openapi_extra=READ)
 async def list_files(caller: CallerDep,
                      after: Annotated[str | None, Query(pattern=FILE_ID_PATTERN, description=(
-                         "The last id of the previous page"))] = None,
+                         "The last id of the previous page (a file id of no file of yours is a 404)"))] = None,
                      limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
                      order: Annotated[Literal["asc", "desc"], Query(description="By `created_at`")] = "desc",
                      purpose: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Header, Query, Request
 
 from api.access import Scope
 from api.deps import CallerDep, JobId, RedisDep, SettingsDep, StoreDep, job_for_caller, owner_of, scoped
+from api.errors import ApiError, ErrorCode
 from api.guards import StrictJSONRoute
 from api.services import checkpoints as checkpoint_store
 from api.services import jobs as native
@@ -35,6 +36,11 @@ MAX_SEQ = 2**31 - 1
 LEFT_OUT = [EventKind.LOG.value]
 Limit = Annotated[int, Query(ge=1, le=100)]
 METADATA_PARAM = "metadata"
+
+
+def not_this_job(param: str, message: str) -> ApiError:
+    """A well-formed cursor of another job's: no place in this job's list (the schema states the form, not whose)."""
+    return ApiError(404, ErrorCode.NOT_FOUND, message, param)
 
 
 async def _job(job_id: str, caller: Any) -> dict[str, Any]:
@@ -70,7 +76,9 @@ def metadata_filter(request: Request) -> dict[str, str] | None:
 
 @router.get("", response_model=FineTuningJobList, openapi_extra=READ)
 async def list_jobs(request: Request, settings: SettingsDep, caller: CallerDep, limit: Limit = 20,
-                    after: Annotated[str | None, Query(max_length=64)] = None) -> dict[str, Any]:
+                    after: Annotated[str | None, Query(pattern=f"^{names.JOB_ID}$", description=(
+                        "The last id of the previous page (a job id of no job of yours is a 404)"))] = None,
+                    ) -> dict[str, Any]:
     """The caller's owner's jobs (an admin's: every owner's), newest first; `metadata[k]=v` filters."""
     jobs, has_more = await store.jobs_page(owner=owner_of(caller), limit=limit, after=after,
                                            metadata=metadata_filter(request))
@@ -93,24 +101,27 @@ async def cancel_job(job_id: JobId, client: RedisDep, settings: SettingsDep, cal
 
 @router.get("/{job_id}/events", response_model=FineTuningJobEventList, openapi_extra=READ)
 async def job_events(job_id: JobId, caller: CallerDep, limit: Limit = 20,
-                     after: Annotated[str | None, Query(max_length=80, description=(
-                         "The last event id of the previous page: older events follow"))] = None) -> dict[str, Any]:
+                     after: Annotated[str | None, Query(pattern=names.EVENT_ID, description=(
+                         "The last event id of the previous page: older events follow (an event id of another "
+                         "job is a 404)"))] = None) -> dict[str, Any]:
     """The job's events, newest first, as OpenAI pages them (its output lines are at GET /jobs/{id}/logs)."""
     await _job(job_id, caller)
     before = MAX_SEQ
     if after is not None:
         seq = names.event_seq(after, job_id)
         if seq is None:
-            raise bad_request("after", f"{after!r} is not an event id of job {job_id}; pass the last id of the "
-                                       "previous page")
-        before = seq
+            raise not_this_job("after", f"{after!r} is an event id of another job than {job_id}; pass the last id "
+                                        "of the previous page")
+        before = min(seq, MAX_SEQ)  # seq is an INTEGER: a larger id is after every event
     rows, has_more = await store.events_newest_first(job_id, before=before, limit=limit, leave_out=LEFT_OUT)
     return {"object": "list", "data": [service.event_view(job_id, *r) for r in rows], "has_more": has_more}
 
 
 @router.get("/{job_id}/checkpoints", response_model=FineTuningJobCheckpointList, openapi_extra=READ)
 async def job_checkpoints(job_id: JobId, caller: CallerDep, storage: StoreDep, limit: Limit = 10,
-                          after: Annotated[str | None, Query(max_length=80)] = None) -> dict[str, Any]:
+                          after: Annotated[str | None, Query(pattern=names.CHECKPOINT_ID, description=(
+                              "The last checkpoint id of the previous page: older checkpoints follow (a checkpoint "
+                              "id of another job is a 404)"))] = None) -> dict[str, Any]:
     """The job's committed checkpoints in the artifact store, newest first."""
     job = await _job(job_id, caller)
     manifests = sorted(await checkpoint_store.list_for(store=storage, job_id=job_id), key=lambda m: m.step,
@@ -118,7 +129,7 @@ async def job_checkpoints(job_id: JobId, caller: CallerDep, storage: StoreDep, l
     if after is not None:
         step = names.checkpoint_step(after, job_id)
         if step is None:
-            raise bad_request("after", f"{after!r} is not a checkpoint id of job {job_id}")
+            raise not_this_job("after", f"{after!r} is a checkpoint id of another job than {job_id}")
         manifests = [m for m in manifests if m.step < step]
     page, has_more = manifests[:limit], len(manifests) > limit
     losses = await store.losses_at(job_id, [m.step for m in page])

@@ -16,6 +16,9 @@ CHECKPOINT_MARK = ":ckpt-step-"
 JOB_ID = r"job_[0-9a-f]{20}"
 _JOB_AT_END = re.compile(rf":({JOB_ID})$")
 _CHECKPOINT = re.compile(rf":({JOB_ID}):ckpt-step-([0-9]{{1,12}})$")
+# The forms of the ids the face makes, as the schema states them for a page's `after`.
+EVENT_ID = rf"^ftevent-{JOB_ID}-[0-9]{{1,10}}$"
+CHECKPOINT_ID = rf"^ftckpt-{JOB_ID}-[0-9]{{1,12}}$"
 _EVENT_ID = re.compile(rf"^ftevent-({JOB_ID})-([0-9]{{1,10}})$")
 _CHECKPOINT_ID = re.compile(rf"^ftckpt-({JOB_ID})-([0-9]{{1,12}})$")
 
