@@ -36,7 +36,7 @@ from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.ops import extensions_dir, release_stale_build_locks
-from worker.outcome import Outcome, Status, classify_failure, read_completion
+from worker.outcome import Outcome, Status, classify_failure, read_completion, server_paths
 from worker.process import GangLaunch, kill_group, launcher_argv, project_env, spawn, wait_group_gone
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
@@ -113,7 +113,7 @@ class Attempt:
         self.suffix = f".node{self.part}" if self.part else ""
         self.settings = settings
         self.r = client
-        self.pub = Publisher(client, job_id, attempt)
+        self.pub = Publisher(client, job_id, attempt, server_paths(settings))
         self.lease = Lease(client, job_id, attempt, self.part)
         self.gang = GangPart(client=client, job_id=job_id, attempt=attempt, part=self.part, parts=parts,
                              node=self.node, lease=self.lease, settings=settings)
