@@ -23,8 +23,8 @@ from contract.spec import JobSpec, Shown, WebhookUrl, refuse_lax_integers
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
 
 # A Literal, not the enum, so the OpenAPI schema lists the values inline as it always has.
-JobStatus = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
-DeliveryStatus = Literal[tuple(s.value for s in codes.DeliveryStatus)]  # type: ignore[valid-type]
+JobStatusName = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
+DeliveryStatusName = Literal[tuple(s.value for s in codes.DeliveryStatus)]  # type: ignore[valid-type]
 
 
 class Progress(BaseModel):
@@ -69,7 +69,7 @@ class JobSummary(Shown):
 
     id: str
     owner: str = Field(description="The owner of the key that submitted it")
-    status: JobStatus
+    status: JobStatusName
     attempt: int
     queue: str
     progress: Progress
@@ -137,7 +137,7 @@ class EventPage(BaseModel):
 
 class NodeJob(BaseModel):
     id: str
-    status: JobStatus
+    status: JobStatusName
     devices: list[str]
 
 
@@ -296,7 +296,7 @@ class Delivery(BaseModel):
                                    "job.checkpoint")
     event_id: int = Field(description="The job event it announces (GET /jobs/{id}/events)")
     url: str
-    status: DeliveryStatus = Field(description="failed: given up after the last attempt")
+    status: DeliveryStatusName = Field(description="failed: given up after the last attempt")
     attempts: int
     next_attempt_at: datetime | None = Field(description="When a pending delivery is tried next")
     last_attempt_at: datetime | None

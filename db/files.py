@@ -20,7 +20,7 @@ import asyncpg
 import orjson
 from sqlalchemy import text
 
-from contract.codes import UNFINISHED_STATUSES, sql_list
+from contract.codes import UNFINISHED_STATUSES, AuditAction, sql_list
 from contract.files import FileStatus
 from db import audit, jsonw, keyset, quotas
 from db import pool as pg
@@ -84,7 +84,7 @@ async def create(*, file_id: str, owner: str, filename: str, size: int, sha256: 
             if limit is not None and used + size > limit:
                 raise StoredBytesExceeded(owner, limit, used, size)
             row = await conn.fetchrow(INSERT, file_id, owner, filename, size, sha256, purpose, fmt)
-            await audit.record(conn, actor, "file.upload", file_id,
+            await audit.record(conn, actor, AuditAction.FILE_UPLOAD, file_id,
                                {"owner": owner, "filename": filename, "bytes": size, "sha256": sha256})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
@@ -168,7 +168,7 @@ async def delete(*, file_id: str, owner: str | None, actor: audit.Actor) -> dict
                 raise FileInUse(f"file {file_id!r} is the data of job(s) that have not ended ({', '.join(users)}); "
                                 "cancel them or wait for them to end, then delete it", "id")
             await conn.execute(DELETE, file_id)
-            await audit.record(conn, actor, "file.delete", file_id, {"owner": row["owner"]})
+            await audit.record(conn, actor, AuditAction.FILE_DELETE, file_id, {"owner": row["owner"]})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
     return view(row)

@@ -7,6 +7,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
+from contract.codes import AuditAction
 from db import audit, keyset
 from db import pool as pg
 from db.errors import Invalid, NotFound
@@ -55,7 +56,7 @@ async def create(*, owner: str, scopes: list[str], secret_hash: bytes, prefix: s
         async with (await pg.pool()).acquire() as conn, conn.transaction():
             row = await conn.fetchrow(INSERT, new_id(), secret_hash, prefix, owner, scopes, name, expires_at,
                                       actor["key_id"] if actor else None)
-            await audit.record(conn, actor, "key.create", row["id"], {
+            await audit.record(conn, actor, AuditAction.KEY_CREATE, row["id"], {
                 "owner": owner, "scopes": scopes, "name": name,
                 "expires_at": expires_at.isoformat() if expires_at else None})
     except pg.UNREACHABLE as exc:
@@ -86,7 +87,7 @@ async def revoke(*, key_id: str, actor: audit.Actor) -> tuple[dict[str, Any], by
                 raise NotFound(f"no key with id {key_id!r}", "id")
             if row["revoked_at"] is None:
                 row = await conn.fetchrow(REVOKE, key_id)
-                await audit.record(conn, actor, "key.revoke", key_id, {"owner": row["owner"]})
+                await audit.record(conn, actor, AuditAction.KEY_REVOKE, key_id, {"owner": row["owner"]})
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
     return view(row), bytes(row["secret_hash"])

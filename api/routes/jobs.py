@@ -14,7 +14,7 @@ from api.access import Scope
 from api.deps import CallerDep, JobForCaller, JobId, RedisDep, SettingsDep, job_for_caller, owner_of, scoped
 from api.errors import ApiError, ErrorCode, responses
 from api.guards import StrictJSONRoute
-from api.schemas import DeepSpeedConfig, EventPage, Job, JobCreate, JobList, JobStatus
+from api.schemas import DeepSpeedConfig, EventPage, Job, JobCreate, JobList, JobStatusName
 from api.services import jobs as service
 from api.services import webhooks
 from api.services.estimate import DryRun
@@ -78,7 +78,7 @@ async def create_job(spec: JobCreate, settings: SettingsDep, caller: CallerDep,
 
 @router.get("", response_model=JobList, responses=responses(404), openapi_extra=READ)
 async def list_jobs(caller: CallerDep, settings: SettingsDep,
-                    status: Annotated[JobStatus | None, Query()] = None,
+                    status: Annotated[JobStatusName | None, Query()] = None,
                     queue: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = None,
                     owner: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
                         "Only this owner's jobs (admin; other keys see only their own owner's)"))] = None,
