@@ -29,6 +29,8 @@ AUTO = "auto"
 MAX_EPOCHS = 50
 MAX_BATCH_SIZE = 256
 MAX_LR_MULTIPLIER = 10.0
+# OpenAI takes any positive multiplier; a smaller one than this would make the learning rate underflow towards 0.
+MIN_LR_MULTIPLIER = 1e-6
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
@@ -59,20 +61,19 @@ def _auto_or(low: float, high: float, *, integer: bool) -> Any:
         if integer and isinstance(value, float) and value.is_integer():
             value = int(value)  # JSON has one number type: 3.0 is the integer 3, as the schema's `integer` says
         number = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not number or not (low < value <= high if not integer else low <= value <= high):
-            bound = f"from {low} to {high}" if integer else f"more than {low} and at most {high}"
-            raise ValueError(f'must be "auto" or {kind} {bound}, got {json.dumps(value)[:40]}')
+        if isinstance(value, bool) or not number or not low <= value <= high:
+            raise ValueError(f'must be "auto" or {kind} from {low:g} to {high:g}, got {json.dumps(value)[:40]}')
         return value
 
-    schema = {"anyOf": [{"const": AUTO}, {"type": "integer" if integer else "number", "maximum": high,
-                                          **({"minimum": low} if integer else {"exclusiveMinimum": low})}]}
+    schema = {"anyOf": [{"const": AUTO}, {"type": "integer" if integer else "number", "minimum": low,
+                                          "maximum": high}]}
     return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
 
 
 class OpenAIHyperparameters(_Strict):
     n_epochs: _auto_or(1, MAX_EPOCHS, integer=True) = AUTO  # type: ignore[valid-type]
     batch_size: _auto_or(1, MAX_BATCH_SIZE, integer=True) = AUTO  # type: ignore[valid-type]
-    learning_rate_multiplier: _auto_or(0, MAX_LR_MULTIPLIER, integer=False) = AUTO  # type: ignore[valid-type]
+    learning_rate_multiplier: _auto_or(MIN_LR_MULTIPLIER, MAX_LR_MULTIPLIER, integer=False) = AUTO  # type: ignore[valid-type]
 
 
 class Supervised(_Strict):
