@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 NO_ADMIN_KEY = ("the API cannot start: FT_ENV is {env!r} and the database has no working admin key, so nobody "
-                "could create keys or set quotas. Create one with `python -m api.keys create --owner NAME "
-                "--scopes admin` (in compose: `docker compose run --rm api python -m api.keys create ...`), "
+                "could create keys or set quotas. Create one with `python -m api.admin.keys create --owner NAME "
+                "--scopes admin` (in compose: `docker compose run --rm api python -m api.admin.keys create ...`), "
                 "then start the API again")
 
 
@@ -96,7 +96,8 @@ def openapi_with_bearer(app: FastAPI) -> dict[str, Any]:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schema.setdefault("components", {}).setdefault("securitySchemes", {})["HTTPBearer"] = {
             "type": "http", "scheme": "bearer",
-            "description": "An API key (POST /keys, or `python -m api.keys create`), as 'Authorization: Bearer <key>'"}
+            "description": ("An API key (POST /keys, or `python -m api.admin.keys create`), as "
+                            "'Authorization: Bearer <key>'")}
         for path, operations in schema["paths"].items():
             if path not in OPEN_PATHS:
                 for operation in operations.values():

@@ -104,7 +104,7 @@ class ApiSettings(StoreSettings):
         if self.api_token:
             # Refused rather than ignored: a deployment that still sets it believes it is guarded by it.
             raise ValueError("FT_API_TOKEN was removed: access is by API keys now. Unset it and create an admin "
-                             "key with `python -m api.keys create --owner NAME --scopes admin` (docs/access.md)")
+                             "key with `python -m api.admin.keys create --owner NAME --scopes admin` (docs/access.md)")
         if self.allow_anonymous and not self.development:
             raise ValueError("FT_ALLOW_ANONYMOUS is for development only (FT_ENV=development); production "
                              "requires an API key on every request")

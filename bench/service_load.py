@@ -311,7 +311,8 @@ def service() -> Iterator[Service]:
         # An admin key of its own, as an operator makes one; the load carries it as any client would. In the
         # environment, so the probe's and the followers' processes have it too.
         os.environ[KEY_ENV] = subprocess.run(
-            [sys.executable, "-m", "api.keys", "create", "--owner", "bench", "--scopes", "admin", "--name", "bench"],
+            [sys.executable, "-m", "api.admin.keys", "create", "--owner", "bench", "--scopes", "admin",
+             "--name", "bench"],
             env={**os.environ, **env}, check=True, capture_output=True, text=True).stdout.strip()
         stack = Stack(env, roots["logs"])
         cleanup.callback(stack.stop)

@@ -50,7 +50,7 @@ def store_stack(cleanup: contextlib.ExitStack, *, prefix: str, store: str, env: 
         os.environ.update({k: v for k, v in settings.items() if k.startswith("AWS_")})
     full = {**os.environ, **settings}
     migrate(full)
-    key = subprocess.run([sys.executable, "-m", "api.keys", "create", "--owner", "bench", "--scopes", "admin",
+    key = subprocess.run([sys.executable, "-m", "api.admin.keys", "create", "--owner", "bench", "--scopes", "admin",
                           "--name", "bench"], env=full, check=True, capture_output=True, text=True).stdout.strip()
     stack = Stack(settings, base / "logs")
     cleanup.callback(stack.stop)

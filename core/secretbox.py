@@ -5,13 +5,13 @@ every delivery computes an HMAC with it. So it is encrypted with a key Postgres 
 table (a backup, a replica, a leaked dump) learns nothing of it without `FT_SECRETS_KEY` too.
 
 `FT_SECRETS_KEY` is a comma-separated list of keys, each 32 random bytes in URL-safe base64
-(`python -m api.secrets new-key` prints one). The first seals; all of them open. A sealed value is
+(`python -m api.admin.secrets new-key` prints one). The first seals; all of them open. A sealed value is
 `v1:<key id>:<base64 of nonce and ciphertext>`: the key id (a digest of the key, not the key) says which key
 sealed it, so a value no configured key opens is named as such instead of failing as "corrupt". The
 associated data binds a value to its row (the owner), so a sealed secret copied onto another owner's row
 does not open.
 
-Rotation: put the new key first and keep the old one after it, restart, run `python -m api.secrets rotate`
+Rotation: put the new key first and keep the old one after it, restart, run `python -m api.admin.secrets rotate`
 (re-seals every stored secret under the first key), then drop the old key and restart again.
 
 In development (FT_ENV=development) an unset key means a fixed development key, with a warning: the tests and
@@ -73,11 +73,11 @@ def parse_keys(text: str) -> list[bytes]:
             key = b""
         if len(key) != KEY_BYTES:
             raise KeyProblem(f"{SETTING}: key {i + 1} of the list is not {KEY_BYTES} bytes in URL-safe base64; "
-                             "make one with `python -m api.secrets new-key`")
+                             "make one with `python -m api.admin.secrets new-key`")
         keys.append(key)
     if not keys:
         raise KeyProblem(f"{SETTING} is not set; outside development (FT_ENV=development) the service needs it to "
-                         "encrypt webhook secrets. Make one with `python -m api.secrets new-key`")
+                         "encrypt webhook secrets. Make one with `python -m api.admin.secrets new-key`")
     return keys
 
 
@@ -89,7 +89,7 @@ def check_setting(text: str, *, development: bool) -> None:
     keys = parse_keys(text)
     if not development and keys[0] == parse_keys(DEVELOPMENT_KEY)[0]:
         raise KeyProblem(f"{SETTING}: its first key is the public development key, which encrypts nothing outside "
-                         "development; put a key of your own first (`python -m api.secrets new-key`)")
+                         "development; put a key of your own first (`python -m api.admin.secrets new-key`)")
 
 
 class Keyring:
@@ -110,7 +110,7 @@ class Keyring:
         version, kid, body = (stored.split(":", 2) + ["", ""])[:3]
         if version != VERSION or not body:
             raise Unreadable("the stored value is not an encrypted secret (run the migrations, or "
-                             "`python -m api.secrets rotate` to encrypt values written by an older version)")
+                             "`python -m api.admin.secrets rotate` to encrypt values written by an older version)")
         cipher = self._ciphers.get(kid)
         if cipher is None:
             raise Unreadable(f"it was encrypted with key {kid}, which {SETTING} does not hold (it holds "

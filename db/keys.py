@@ -1,4 +1,4 @@
-"""API keys: create, list, revoke. The API's /keys routes and the operator's CLI (`python -m api.keys`) both call
+"""API keys: create, list, revoke. The API's /keys routes and the operator's CLI (`python -m api.admin.keys`) both call
 these; the secret is made by the caller (api/access.py), which passes its hash and shown prefix only."""
 
 from __future__ import annotations

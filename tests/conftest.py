@@ -120,7 +120,7 @@ def stack_env(database: str, redis_url: str, roots: dict[str, Path], s3: S3Serve
 
 def create_key(env: dict[str, str], owner: str, scopes: str, name: str = "tests") -> str:
     """A key made the way an operator makes the first one: the CLI, straight into Postgres."""
-    done = subprocess.run([sys.executable, "-m", "api.keys", "create", "--owner", owner, "--scopes", scopes,
+    done = subprocess.run([sys.executable, "-m", "api.admin.keys", "create", "--owner", owner, "--scopes", scopes,
                            "--name", name], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()

@@ -436,14 +436,14 @@ def test_submits_cancels_and_key_changes_record_who_did_them(apis: list[ApiProce
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.keys", *args], cwd=ROOT, env={**os.environ, **env},
+    return subprocess.run([sys.executable, "-m", "api.admin.keys", *args], cwd=ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=120)
 
 
 def test_the_cli_makes_the_first_admin_key_and_revokes_keys(apis: list[ApiProcess], env: dict[str, str]) -> None:
     made = cli(env, "create", "--owner", "platform", "--scopes", "admin", "--name", "bootstrap")
     assert made.returncode == 0, made.stderr
-    key = made.stdout.strip()  # the key alone on stdout: KEY=$(python -m api.keys create ...)
+    key = made.stdout.strip()  # the key alone on stdout: KEY=$(python -m api.admin.keys create ...)
     assert key.startswith("ftk_") and len(key) == 47 and "\n" not in key
     assert "owner 'platform'" in made.stderr and "shown this once" in made.stderr
     with client(apis[1], key) as c:

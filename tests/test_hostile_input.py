@@ -395,7 +395,7 @@ def test_production_without_an_admin_key_refuses_to_start() -> None:
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0
         assert "the API cannot start" in done.stderr and "no working admin key" in done.stderr, done.stderr[-2000:]
-        assert "python -m api.keys create --owner NAME --scopes admin" in done.stderr
+        assert "python -m api.admin.keys create --owner NAME --scopes admin" in done.stderr
         # Several processes, as `make up` and compose run it: the parent stops too (uvicorn's parent exits 0
         # then), rather than restarting its children for ever.
         several = subprocess.run([*argv, "--workers", "2"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -130,7 +130,7 @@ def test_rotation_a_new_key_first_then_rotate_then_drop_the_old(site: dict[str, 
     assert webhooks.verify(secret, got.headers["X-FT-Signature"], got.body)
     # 2. The re-encryption: every row is sealed with the first key.
     env = without_key({"FT_DATABASE_URL": database, "FT_SECRETS_KEY": f"{NEW},{OLD}", "FT_ENV": "production"})
-    done = subprocess.run([sys.executable, "-m", "api.secrets", "rotate"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "api.admin.secrets", "rotate"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "1 of 1" in done.stdout, done.stdout + done.stderr
     assert stored(database).startswith(f"v1:{secretbox.key_id(secretbox.parse_keys(NEW)[0])}:")
@@ -213,7 +213,7 @@ def test_production_without_a_usable_key_refuses_to_start(program: str, value: s
     started = time.monotonic()
     code, out = run_briefly(argv, env, seconds=30)
     assert code is not None and code != 0, f"{program} started ({time.monotonic() - started:.0f} s):\n{out[-2000:]}"
-    assert secretbox.SETTING in out and "api.secrets new-key" in out, out[-2000:]
+    assert secretbox.SETTING in out and "api.admin.secrets new-key" in out, out[-2000:]
     # One line per problem, not a traceback an operator has to read through.
     assert "cannot start" in out and "Traceback" not in out, out[-2000:]
     assert value is None or value.split(",")[-1] not in out  # the key itself is never printed

@@ -1,11 +1,11 @@
 """The operator's key tool: how the first admin key of a fresh install is made, and a way in when every
 admin key is lost. It writes to Postgres directly (FT_DATABASE_URL), so it needs no key itself.
 
-    python -m api.keys create --owner platform --scopes admin [--name NAME] [--expires-in-days N]
-    python -m api.keys list [--owner NAME]
-    python -m api.keys revoke KEY_ID
+    python -m api.admin.keys create --owner platform --scopes admin [--name NAME] [--expires-in-days N]
+    python -m api.admin.keys list [--owner NAME]
+    python -m api.admin.keys revoke KEY_ID
 
-`create` prints the key alone on stdout (`KEY=$(python -m api.keys create ...)`) and its details on stderr.
+`create` prints the key alone on stdout (`KEY=$(python -m api.admin.keys create ...)`) and its details on stderr.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _owner(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m api.keys", description="Create, list and revoke API keys.")
+    parser = argparse.ArgumentParser(prog="python -m api.admin.keys", description="Create, list and revoke API keys.")
     sub = parser.add_subparsers(dest="command", required=True)
     create = sub.add_parser("create", help="create a key and print it (shown this once)")
     create.add_argument("--owner", required=True, type=_owner, help="the team or project the key acts for")

@@ -1,7 +1,7 @@
 """The operator's secrets tool (FT_SECRETS_KEY, core/secretbox.py):
 
-    python -m api.secrets new-key   # print a new key for FT_SECRETS_KEY
-    python -m api.secrets rotate    # re-encrypt every stored webhook secret with the list's first key
+    python -m api.admin.secrets new-key   # print a new key for FT_SECRETS_KEY
+    python -m api.admin.secrets rotate    # re-encrypt every stored webhook secret with the list's first key
 
 `rotate` writes to Postgres directly (FT_DATABASE_URL) and runs beside a serving API and control plane.
 """
@@ -14,7 +14,7 @@ from core import secretbox
 from core.settings import StoreSettings, settings_or_exit
 from db.webhooks import reseal_all
 
-USAGE = "usage: python -m api.secrets new-key | rotate"
+USAGE = "usage: python -m api.admin.secrets new-key | rotate"
 
 
 def main(argv: list[str]) -> int:
