@@ -24,14 +24,25 @@ if TYPE_CHECKING:
     from db.models import Job
 
 INSERT = "INSERT INTO job_events (job_id, seq, attempt, type, data, source_id, created_at)"
+
+
+def insert_delivery(source: str, *, job_id: str, seq: str, first: int) -> str:
+    """The one text of an event's webhook delivery insert (db/webhooks.py `delivery` gives its six values): the job
+    and event from `source` (a CTE: its `job_id` and `seq` columns as named), the values from ${first} to
+    ${first + 5}; nothing where the first (the delivery's id) is null."""
+    p = [f"${first + i}" for i in range(6)]
+    return (f"INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, "
+            f"next_attempt_at)\n    SELECT {p[0]}::text, {job_id}, {p[1]}, {seq}, {p[2]}, {p[3]}, {p[4]}, "
+            f"{p[5]}::jsonb, now() FROM {source} WHERE {p[0]}::text IS NOT NULL")
+
+
 # The event ($1 to $6) and, where $7 (the delivery's id) is not null, its webhook delivery ($7 to $12).
 APPEND = f"""
 WITH event AS (
     {INSERT} VALUES ($1, $2, $3, $4, $5::jsonb, $6, now())
     RETURNING job_id, seq
 ), delivery AS (
-    INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
-    SELECT $7::text, job_id, $8, seq, $9, $10, $11, $12::jsonb, now() FROM event WHERE $7::text IS NOT NULL
+    {insert_delivery("event", job_id="job_id", seq="seq", first=7)}
     ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING
 )
 SELECT seq FROM event"""

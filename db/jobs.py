@@ -39,8 +39,7 @@ WITH usage AS ({{usage}}), job AS (
     SELECT id, 1, 1, '{EventKind.STATE.value}',
            jsonb_build_object('status', '{JobStatus.QUEUED.value}', 'actor', $12::jsonb), NULL, now() FROM job
 ), delivery AS (
-    INSERT INTO webhook_deliveries (id, job_id, owner, event_seq, event, url, receiver, payload, next_attempt_at)
-    SELECT $15::text, id, $16, 1, $17, $18, $19, $20::jsonb, now() FROM job WHERE $15::text IS NOT NULL
+    {events.insert_delivery("job", job_id="id", seq="1", first=15)}
 ), audited AS (
     {audit.INSERT}
     SELECT now(), $13, $8, '{AuditAction.JOB_SUBMIT.value}', id,
