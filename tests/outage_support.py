@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 import redis
 
+from core.serverpaths import ServerPaths, host_directories, python_directories
 from tests.helpers import free_port
 from worker.logpump import parse_trainer_event
 
@@ -186,7 +187,10 @@ def compare_with_rank0(dsn: str, job_id: str, job_dir: Path, attempt: int) -> di
     assert [e["seq"] for e in stored] == list(range(1, len(stored) + 1)), "seq is gap-free from 1"
     sources = [e["source_id"] for e in stored if e["source_id"] is not None]
     assert len(sources) == len(set(sources)), "no stream entry stored twice"
-    expected = rank0_events(job_dir, attempt)
+    # What the worker publishes is what rank 0 printed with this node's folders rewritten (worker/outcome.py
+    # `server_paths`): the job's folder is under the artifacts root, the rest of its paths Python's or /tmp's.
+    rewrite = ServerPaths([(job_dir.parent.parent, "<artifacts>"), *python_directories(), *host_directories()])
+    expected = [(kind, rewrite.value(data)) for kind, data in rank0_events(job_dir, attempt)]
     got = [(e["type"], e["data"]) for e in stored
            if e["attempt"] == attempt and e["type"] != "state" and e["data"].get("rank") == 0]
     if got != expected:
