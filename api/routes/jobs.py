@@ -97,16 +97,16 @@ async def list_jobs(caller: CallerDep, settings: SettingsDep,
 
 
 @router.get("/{job_id}", response_model=Job, responses=responses(404), openapi_extra=READ)
-async def get_job(job: JobForCaller, settings: SettingsDep) -> Response:
-    return JSONBytes(server_paths(settings).json(job))
+async def get_job(job: JobForCaller) -> Response:
+    return JSONBytes(job)  # its paths already as a client reads them (api/reads.py)
 
 
 @router.get("/{job_id}/deepspeed-config", response_model=DeepSpeedConfig, responses=responses(404),
             openapi_extra=READ)
-async def job_deepspeed_config(job: JobForCaller, settings: SettingsDep) -> Response:
+async def job_deepspeed_config(job: JobForCaller) -> Response:
     """The DeepSpeed config rendered for the job, to read or to run by hand with the same settings (an NVMe path
     relative to the NVMe root)."""
-    return JSONBytes(server_paths(settings).json(json.dumps(json.loads(job)["resolved"]["deepspeed_config"]).encode()))
+    return JSONBytes(json.dumps(json.loads(job)["resolved"]["deepspeed_config"]).encode())
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=Job, responses=responses(404, 409),
