@@ -10,7 +10,6 @@ where a log line in view shows an absolute path: the picture is published, a mac
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
@@ -21,8 +20,8 @@ from typing import Any
 import httpx
 
 from contract.codes import EventKind, JobStatus
-from scripts.demo import DEMO_JOB, prepare_assets, run_demo
-from scripts.stack import ROOT, Stack, StackSettings, database_exists_or_create, ensure_dev_key, migrate
+from scripts.demo import DEMO_JOB, prepared, run_demo, running
+from scripts.stack import ROOT
 
 PICTURE = ROOT / "docs" / "dashboard.png"
 WINDOW = (1200, 1040)  # tall enough for the whole job page: state line, chart, checkpoints, output, log pane
@@ -103,32 +102,17 @@ def take(api_url: str, key: str, job_id: str, path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from api.settings import get_settings
-
     path = Path(argv[0]) if argv else PICTURE
-    settings = get_settings()
-    prepare_assets(Path(settings.model_root).resolve(), Path(settings.data_root).resolve())
-    database_exists_or_create(settings.database_url)
-    env = dict(os.environ)
-    migrate(env)
-    given = StackSettings.of(env).key
-    key = ensure_dev_key() if settings.development else given.get_secret_value() if given else None
+    env, key = prepared()
     if key is None:
         print("outside development FT_KEY must name an admin key", file=sys.stderr)
         return 2
-    stack = Stack(env, ROOT / "var" / "logs")
-    stack.start_api()
-    stack.start_controlplane()
-    stack.start_worker()
-    try:
-        stack.wait_ready()
+    with running(env) as stack:
         job = run_demo(stack, json.loads(DEMO_JOB.read_text()), key=key)["job"]
         if job["status"] != JobStatus.SUCCEEDED:
             print(f"\nthe demo job {job['id']} ended {job['status']}: {json.dumps(job['error'])}", file=sys.stderr)
             return 1
         seen = take(stack.api_url, key, job["id"], path)
-    finally:
-        stack.stop()
     print(f"\nsaved {path}: job {job['id']}, log lines in view:\n  " + "\n  ".join(seen))
     return 0
 

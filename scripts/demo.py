@@ -12,6 +12,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +84,10 @@ def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | 
     return figures
 
 
-def main() -> int:
+def prepared() -> tuple[dict[str, str], str | None]:
+    """What the demo's stack needs before it starts: the tiny model and data, the database made and migrated, and
+    the key to call it with (the dev stack's own in development, FT_KEY's otherwise; None if neither). Returns the
+    stack's environment and the key."""
     from api.settings import get_settings
 
     settings = get_settings()
@@ -94,13 +99,26 @@ def main() -> int:
     migrate(env)
     # The API requires a key in development too; the demo makes (or reuses) the dev stack's own.
     given = StackSettings.of(env).key
-    key = ensure_dev_key() if settings.development else given.get_secret_value() if given else None
+    return env, ensure_dev_key() if settings.development else given.get_secret_value() if given else None
+
+
+@contextmanager
+def running(env: dict[str, str]) -> Iterator[Stack]:
+    """API, control plane and one worker, as `make up` starts them, ready; stopped on leaving."""
     stack = Stack(env, ROOT / "var" / "logs")
     stack.start_api()
     stack.start_controlplane()
     stack.start_worker()
     try:
         stack.wait_ready()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def main() -> int:
+    env, key = prepared()
+    with running(env) as stack:
         figures = run_demo(stack, json.loads(DEMO_JOB.read_text()), key=key)
         job = figures["job"]
         downloaded = None
@@ -108,8 +126,6 @@ def main() -> int:
             # The model as a client gets it: from the artifact store through the API, each file's SHA-256 checked.
             downloaded = ROOT / "var" / "downloads" / job["id"]
             download(Api(stack.api_url, key), job["id"], downloaded, parallel=4, console=None)
-    finally:
-        stack.stop()
     job = figures["job"]
     p = job["progress"]
     losses = [x for x in figures["losses"] if x is not None]
