@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from contract.deepspeed.batch import largest_divisor_at_most
 from contract.spec import MAX_AUTO_EXAMPLES_PER_STEP, ResolvedJob
 from trainer.errors import DataError
 
@@ -59,10 +60,6 @@ class BatchPlan:
             "notes": [*job.notes, *self.notes]})
 
 
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
-
-
 def plan(job: ResolvedJob, *, examples: int, packed_rows: int, dp: int) -> BatchPlan:
     """The batch of `job` on data of `examples` training examples that pack into `packed_rows` rows, over `dp`
     data-parallel processes. Raises DataError only when the data cannot give every process one row."""
@@ -100,6 +97,6 @@ def plan(job: ResolvedJob, *, examples: int, packed_rows: int, dp: int) -> Batch
         notes.append(f"global batch {wanted} rounded to {global_batch}, a multiple of the {dp} data-parallel "
                      "processes")
     per_rank = global_batch // dp
-    micro = _largest_divisor_at_most(per_rank, job.micro_batch_size)
+    micro = largest_divisor_at_most(per_rank, job.micro_batch_size)
     return BatchPlan(global_batch=global_batch, micro=micro, accum=per_rank // micro, packing=packing,
                      examples_per_step=per_step, rows=rows, notes=tuple(notes))

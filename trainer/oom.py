@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from contract.deepspeed.batch import largest_divisor_at_most
 from contract.spec import ResolvedJob
 
 # Optimizer steps from an attempt's start (or its resume) during which an out-of-memory error adapts.
@@ -72,7 +73,7 @@ def next_setting(current: MemorySetting, phase: str, *, per_rank: int, offload_o
     """The next rung for an error in `phase`, with a sentence saying why; None at the ladder's end."""
     if phase == "forward":
         if current.micro_batch_size > 1:
-            micro = max(d for d in range(1, current.micro_batch_size // 2 + 1) if per_rank % d == 0)
+            micro = largest_divisor_at_most(per_rank, current.micro_batch_size // 2)
             return (replace(current, micro_batch_size=micro, gradient_accumulation_steps=per_rank // micro),
                     f"micro batch {current.micro_batch_size} -> {micro} with accumulation "
                     f"{current.gradient_accumulation_steps} -> {per_rank // micro}: the same global batch")

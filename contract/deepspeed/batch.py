@@ -27,6 +27,11 @@ def _divisors_desc(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of n that is at most cap (at least 1): the micro batch a per-process batch allows."""
+    return next(d for d in _divisors_desc(n) if d <= cap)
+
+
 def resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], limits: ResolveLimits,
                    errors: list[FieldError], notes: list[str], merger: Merger | None = None) -> tuple[int, int, int]:
     hp = spec.hyperparameters
@@ -123,7 +128,7 @@ def resolve_batch(spec: JobSpec, world: int, raw_batch: dict[str, int | None], l
         notes.append(f"micro batch auto: {m} = per-process batch {per_rank} / accumulation {a}")
         return g, m, a
     cap = max(1, limits.auto_micro_batch_tokens // hp.seq_len)
-    m = next(d for d in _divisors_desc(per_rank) if d <= cap)
+    m = largest_divisor_at_most(per_rank, cap)
     if g_raw is not None and m != per_rank:
         notes.append(f"train_batch_size {g} with no micro batch: {DS} would run micro {per_rank} × accumulation 1 "
                      f"per process; the job runs micro {m} × accumulation {per_rank // m}, the same global batch.")
