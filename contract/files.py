@@ -25,7 +25,8 @@ class FilePurpose(str, enum.Enum):
 
 
 class FileFormat(str, enum.Enum):
-    """What the trainer reads (contract/spec.py DataSpec.format): the same four, spelled the same way."""
+    """What the trainer reads (contract/spec.py DataSpec.format), spelled the same way: four formats a supervised
+    job trains on, and PREFERENCE, the pairs a preference (DPO) job trains on."""
 
     def __str__(self) -> str:
         return str(self.value)
@@ -34,6 +35,8 @@ class FileFormat(str, enum.Enum):
     JSONL = "jsonl"
     CHAT = "chat"
     COMPLETION = "completion"  # {"prompt", "completion"} pairs, OpenAI's format for completion models
+    # A prompt and a preferred and a non-preferred answer: OpenAI's DPO shape or trl's prompt/chosen/rejected.
+    PREFERENCE = "preference"
 
 
 # The id `POST /files` gives a file: "file_" and 24 hex digits.
