@@ -3,7 +3,7 @@ artifact store through contract/datasets.py (the trainer's own line checks) and 
 or `error` with its first problems, each with its line.
 
 It wakes on `ft_files` (a trigger on insert, migration 0011; the control plane's one LISTEN loop hands it over) and
-looks anyway every POLL_SECONDS. A claim is a lease (db/files.py), renewed while the file is read, not a lock held
+looks anyway every POLL_SECONDS. A claim is a lease (db/filechecks.py), renewed while the file is read, not a lock held
 open: a control plane that dies mid-check leaves the file `uploaded`, and the next one claims it again once the
 lease has run out. A file deleted during its check is left deleted.
 """
@@ -18,7 +18,7 @@ from contract import datasets
 from contract.files import FileStatus
 from controlplane.loop import WokenLoop
 from controlplane.settings import ControlPlaneSettings
-from db import files
+from db import filechecks
 from db.engine import session_scope
 from db.notify import FILES, Notifications
 from store.layout import file_key
@@ -44,14 +44,14 @@ class Validator(WokenLoop):
         checked = 0
         while not self._stopping.is_set():
             with session_scope() as session:
-                claimed = files.claim(session, lease_seconds=LEASE_SECONDS)
+                claimed = filechecks.claim(session, lease_seconds=LEASE_SECONDS)
             if claimed is None:
                 return checked
             self.check(claimed)
             checked += 1
         return checked
 
-    def check(self, claimed: files.Claimed) -> None:
+    def check(self, claimed: filechecks.Claimed) -> None:
         try:
             found = datasets.scan(self._renewing(self.store.iter(file_key(claimed.id)), claimed.id), claimed.format)
         except NotFound:
@@ -69,13 +69,13 @@ class Validator(WokenLoop):
     def _finish(self, file_id: str, status: FileStatus, fmt: str | None, stats: dict[str, object] | None,
                 errors: list[dict[str, object]] | None) -> None:
         with session_scope() as session:
-            files.finish(session, file_id=file_id, status=status, fmt=fmt, stats=stats, errors=errors)
+            filechecks.finish(session, file_id=file_id, status=status, fmt=fmt, stats=stats, errors=errors)
 
     def _renewing(self, chunks: Iterable[bytes], file_id: str) -> Iterator[bytes]:
         renewed = time.monotonic()
         for chunk in chunks:
             if time.monotonic() - renewed >= RENEW_SECONDS:
                 with session_scope() as session:
-                    files.renew(session, file_id=file_id, lease_seconds=LEASE_SECONDS)
+                    filechecks.renew(session, file_id=file_id, lease_seconds=LEASE_SECONDS)
                 renewed = time.monotonic()
             yield chunk

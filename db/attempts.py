@@ -16,7 +16,7 @@ from sqlalchemy import Row, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from contract.codes import ACTIVE_STATUSES, EventKind, FailureCode, JobStatus
-from db import events
+from db import journal
 from db.models import Job, JobEvent
 
 # What a lost worker's state event says; counted to tell how many attempts lost their worker.
@@ -45,7 +45,7 @@ def next_attempt(session: Session, job: Job, reason: str, *, keep_placement: boo
     job.dispatched_at = None
     if not keep_placement:
         job.placement = None
-    events.append(session, job, EventKind.STATE,
+    journal.append(session, job, EventKind.STATE,
                   {"status": JobStatus.QUEUED, "reason": reason, "previous_attempt": previous})
     return job.attempt
 
@@ -87,7 +87,7 @@ def reap(session: Session, job_id: str, attempt: int, *, max_attempts: int,
         return None  # it moved on while we looked
     if job.status == JobStatus.CANCELLING:
         job.status, job.finished_at = JobStatus.CANCELLED, _now()
-        events.append(session, job, EventKind.STATE,
+        journal.append(session, job, EventKind.STATE,
                       {"status": JobStatus.CANCELLED, "reason": "worker lost while cancelling"})
         return Reaped(JobStatus.CANCELLED)
     # Workers lost, not attempt numbers: a re-drive after a Redis data loss also takes a new attempt.
@@ -97,13 +97,13 @@ def reap(session: Session, job_id: str, attempt: int, *, max_attempts: int,
         job.error = {"code": FailureCode.WORKER_LOST,
                      "message": f"the worker stopped heartbeating on attempt {attempt}; {losses} of "
                                 f"{max_attempts} allowed attempts lost their worker"}
-        events.append(session, job, EventKind.STATE, {"status": JobStatus.FAILED, "error": job.error})
+        journal.append(session, job, EventKind.STATE, {"status": JobStatus.FAILED, "error": job.error})
         return Reaped(JobStatus.FAILED)
     if released is not None:
-        events.append(session, job, EventKind.STATE, {"status": RELEASED, **released})
+        journal.append(session, job, EventKind.STATE, {"status": RELEASED, **released})
         why = "requeued after its worker shut down"
     else:
-        events.append(session, job, EventKind.STATE, {"status": LOST, "reason": "worker stopped heartbeating"})
+        journal.append(session, job, EventKind.STATE, {"status": LOST, "reason": "worker stopped heartbeating"})
         why = "requeued after worker loss"
     # Its slots are free (its ranks are gone by now): the scheduler places the next attempt afresh.
     return Reaped(JobStatus.QUEUED, why, next_attempt(session, job, why))

@@ -1,11 +1,21 @@
-"""Engine, sessions and the declarative base (with a constraint naming convention for Alembic)."""
+"""The control plane's database: engine, sessions, the declarative base (with a constraint naming convention for
+Alembic), and `run`, which executes a statement text of db/ in a session's transaction.
+
+The control plane's one driver is psycopg: SQLAlchemy's engine runs on it, and so do the deliverer's and the
+listener's own connections. A statement text is written once, with Postgres's own `$n` parameters, whichever
+process runs it: asyncpg sends it as written (db/pool.py), and `run` sends it as written through psycopg's raw
+cursor, on the session's connection, so it commits or rolls back with the ORM's changes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
 
+import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import MetaData, create_engine
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
@@ -56,3 +66,18 @@ def session_scope() -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def run(session: Session, sql: str, *args: Any) -> psycopg.Cursor[Any]:
+    """`sql` with `args` as its `$1`, `$2`, … in the session's transaction; rows read as named tuples. The ORM's
+    pending changes are flushed first, as SQLAlchemy's own `execute` does, so the statement sees them."""
+    session.flush()
+    cursor = psycopg.RawCursor(session.connection().connection.driver_connection, row_factory=namedtuple_row)
+    cursor.execute(sql, args)
+    return cursor
+
+
+def scalar(session: Session, sql: str, *args: Any) -> Any:
+    """The first column of the first row `sql` returns, or None where it returns none."""
+    row = run(session, sql, *args).fetchone()
+    return None if row is None else row[0]

@@ -3,8 +3,8 @@ event in the same transaction (reads: db/reads.py).
 
 `INSERT` is the one text of an event's insert: the API's `append_async` (asyncpg) runs it in `APPEND` with the
 outbox row, and the submit's statement (db/jobs.py) composes it with a SELECT from the job it inserts. The control
-plane's `append` runs the same `APPEND` through its SQLAlchemy session (db/sqltext.py turns `$n` into named
-parameters), so both sides write an event and announce it with one statement.
+plane's append (db/journal.py) runs the same `APPEND` in its session, so both sides write an event and announce it
+with one statement.
 """
 
 from __future__ import annotations
@@ -12,22 +12,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import asyncpg
-from sqlalchemy import text
-
-from db import jsonw, webhooks
-from db.sqltext import named, named_params
+from db import jsonw, outbox
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
-
-    from db.models import Job
+    import asyncpg
 
 INSERT = "INSERT INTO job_events (job_id, seq, attempt, type, data, source_id, created_at)"
 
 
 def insert_delivery(source: str, *, job_id: str, seq: str, first: int) -> str:
-    """The one text of an event's webhook delivery insert (db/webhooks.py `delivery` gives its six values): the job
+    """The one text of an event's webhook delivery insert (db/outbox.py `delivery` gives its six values): the job
     and event from `source` (a CTE: its `job_id` and `seq` columns as named), the values from ${first} to
     ${first + 5}; nothing where the first (the delivery's id) is null."""
     p = [f"${first + i}" for i in range(6)]
@@ -46,7 +40,6 @@ WITH event AS (
     ON CONFLICT ON CONSTRAINT uq_webhook_deliveries_job_event DO NOTHING
 )
 SELECT seq FROM event"""
-APPEND_NAMED = text(named(APPEND))
 
 
 async def append_async(conn: asyncpg.Connection, job: SimpleNamespace, kind: str, data: dict[str, Any], *,
@@ -54,24 +47,7 @@ async def append_async(conn: asyncpg.Connection, job: SimpleNamespace, kind: str
     """Within the caller's transaction: the event `job.event_seq` names (the caller has locked the row and
     counted it) and its delivery. `job` holds the row as it is now (db/jobs.py). Returns the sequence."""
     seq = job.event_seq
-    url = None
-    if webhooks.event_type(job, kind, data) is not None and not webhooks.job_url(job):
-        url = await webhooks.owner_url(conn, job.owner)
-    found = webhooks.delivery(job, kind, data, seq, lambda: url)
+    found = await outbox.delivery_async(conn, job, kind, data, seq)
     await conn.execute(APPEND, job.id, seq, job.attempt if attempt is None else attempt, kind, jsonw.dumps(data),
-                       source_id, *(found or webhooks.NO_DELIVERY))
-    return seq
-
-
-def append(session: Session, job: Job, kind: str, data: dict[str, Any], *, attempt: int | None = None,
-           source_id: str | None = None) -> int:
-    """The control plane's append (ingest, reaper, scheduler): `APPEND` in the ORM session's transaction, so the
-    event, its delivery and the job's changes commit together or not at all. `job` must be locked (FOR UPDATE)
-    so sequence numbers never collide. Returns the sequence."""
-    job.event_seq += 1
-    seq = job.event_seq
-    found = webhooks.delivery(job, kind, data, seq,
-                              lambda: session.scalar(webhooks.OWNER_URL_NAMED, named_params(job.owner)))
-    session.execute(APPEND_NAMED, named_params(job.id, seq, job.attempt if attempt is None else attempt, kind,
-                                               jsonw.dumps(data), source_id, *(found or webhooks.NO_DELIVERY)))
+                       source_id, *found)
     return seq

@@ -13,22 +13,16 @@ found, never forbidden.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 import orjson
-from sqlalchemy import text
 
 from contract.codes import UNFINISHED_STATUSES, AuditAction, sql_list
 from contract.files import FileStatus
-from db import audit, jsonw, keyset, quotas
+from db import audit, keyset, quotas
 from db import pool as pg
 from db.errors import FileInUse, Invalid, NotFound, StoredBytesExceeded
-from db.sqltext import named, named_params
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
 
 COLUMNS = "id, owner, filename, bytes, sha256, purpose, format, status, stats, errors, created_at"
 # The owner's quota of stored bytes, read under a lock of the owner's own for the rest of the transaction: two
@@ -172,44 +166,3 @@ async def delete(*, file_id: str, owner: str | None, actor: audit.Actor) -> dict
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
     return view(row)
-
-
-# -- the control plane's validator, on its SQLAlchemy session --
-
-# The oldest unchecked file nobody holds a lease on, leased for $1 seconds (committed with the session).
-CLAIM = text(named(f"""
-UPDATE files SET claimed_until = now() + make_interval(secs => $1::float8)
-WHERE id = (SELECT id FROM files WHERE status = '{FileStatus.UPLOADED.value}'
-                AND (claimed_until IS NULL OR claimed_until < now())
-            ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED)
-RETURNING id, format"""))
-RENEW = text(named(f"""
-UPDATE files SET claimed_until = now() + make_interval(secs => $2::float8)
-WHERE id = $1 AND status = '{FileStatus.UPLOADED.value}'"""))
-# A file deleted meanwhile, or already decided, is left as it is.
-FINISH = text(named(f"""
-UPDATE files SET status = $2, format = coalesce(format, $3), stats = $4::jsonb, errors = $5::jsonb,
-    claimed_until = NULL, updated_at = now()
-WHERE id = $1 AND status = '{FileStatus.UPLOADED.value}'"""))
-
-
-@dataclass(frozen=True)
-class Claimed:
-    id: str
-    format: str | None
-
-
-def claim(session: Session, *, lease_seconds: float) -> Claimed | None:
-    row = session.execute(CLAIM, named_params(lease_seconds)).first()
-    return None if row is None else Claimed(row[0], row[1])
-
-
-def renew(session: Session, *, file_id: str, lease_seconds: float) -> None:
-    session.execute(RENEW, named_params(file_id, lease_seconds))
-
-
-def finish(session: Session, *, file_id: str, status: FileStatus, fmt: str | None, stats: dict[str, Any] | None,
-           errors: list[dict[str, Any]] | None) -> None:
-    session.execute(FINISH, named_params(file_id, status.value, fmt,
-                                         None if stats is None else jsonw.dumps(stats),
-                                         None if errors is None else jsonw.dumps(errors)))

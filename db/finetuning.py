@@ -13,9 +13,8 @@ from typing import Any
 import orjson
 
 from contract.codes import EventKind, JobStatus
-from db import keyset, reads
 from db import pool as pg
-from db.errors import NotFound
+from db import reads
 
 # The job a job continues from is its model (`job_…`, contract/spec.py `is_job_id`), or the job before the `@` of a
 # checkpoint's name (`job_…@step-N`, `checkpoint_ref`); a chain is followed at most this far, which no real chain
@@ -50,28 +49,12 @@ async def lineage(job_ids: list[str]) -> dict[str, Lineage]:
     return {r[0]: Lineage(base=r[1], parent_id=r[2], parent_name=r[3], parent_owner=r[4]) for r in rows}
 
 
-CURSOR = "SELECT seq FROM jobs WHERE id = $1"
-CURSOR_FOR_OWNER = CURSOR + " AND owner = $2"
-
-
 async def jobs_page(*, owner: str | None, limit: int, after: str | None,
                     metadata: dict[str, str] | None) -> tuple[list[dict[str, Any]], bool]:
     """Whole jobs (request and resolved included), newest first, after the job `after`, whose metadata holds
-    every pair of `metadata` ({}: jobs with no metadata; None: no filter)."""
-    page = keyset.Page()
-    if after is not None:
-        cursor = await (pg.fetchval(CURSOR, after) if owner is None else pg.fetchval(CURSOR_FOR_OWNER, after, owner))
-        if cursor is None:
-            raise NotFound(f"no job {after!r} of yours to page after; pass the last id of the previous page",
-                           "after")
-        page.where_(f"seq < {page.arg(cursor)}")
-    page.equal("owner", owner)
-    if metadata == {}:
-        page.where_("metadata = '{}'::jsonb")
-    elif metadata:
-        page.where_(f"metadata @> {page.arg(orjson.dumps(metadata).decode())}::jsonb")
-    rows = await pg.fetch(page.sql(reads.JOB_JSON, "jobs", "seq DESC", limit), *page.args)
-    return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
+    every pair of `metadata` ({}: jobs with no metadata; None: no filter): db/reads.py's page in its other shape."""
+    rows, has_more = await reads.job_rows(reads.JOB_JSON, limit=limit, after=after, owner=owner, metadata=metadata)
+    return [orjson.loads(r) for r in rows], has_more
 
 
 EVENT_ROW = "seq, type, created_at, data"

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
 from contract.protocol import EVENTS_STREAM, StateField
-from db import attempts, events
+from db import attempts, journal
 from db.models import Job, JobEvent
 
 log = logging.getLogger(__name__)
@@ -160,4 +160,4 @@ def store(session: Session, entries: list[tuple[str, dict[str, str]]]) -> None:
                     data = {**data, "ignored": f"the job had already ended as {job.status}"}
             else:
                 apply_event(job, kind, data)
-            events.append(session, job, kind, data, source_id=eid)
+            journal.append(session, job, kind, data, source_id=eid)

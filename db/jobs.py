@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from contract.codes import TERMINAL_STATUSES, AuditAction, EventKind, JobStatus
-from db import audit, events, files, idempotency, jsonw, quotas, reads
+from db import audit, events, files, idempotency, jsonw, outbox, quotas, reads
 from db import pool as pg
 from db.errors import Conflict, NotFound, QuotaExceeded
 
@@ -24,7 +24,7 @@ NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
 # The row, its first event (naming who submitted it, with its delivery where one announces it) and its audit
 # entry in one statement: all or nothing, in one round trip. The row is inserted only within the quota ($10 jobs,
 # $11 GPUs; null: no limit); otherwise the answer is the use that refused it. The first event's delivery is
-# $15 to $20 (db/webhooks.py `delivery`; all null: none), as `events.APPEND` writes it.
+# $15 to $20 (db/outbox.py `delivery`; all null: none), as `events.APPEND` writes it.
 INSERT_JOB = f"""
 WITH usage AS ({{usage}}), job AS (
     INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, progress,
@@ -116,13 +116,8 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
 
 
 async def _first_delivery(conn: Any, view: SimpleNamespace, data: dict[str, Any]) -> tuple[Any, ...]:
-    """The submit's first event's delivery, decided as every appended event's is (db/events.py)."""
-    from db import webhooks
-
-    url = None
-    if webhooks.event_type(view, EventKind.STATE, data) is not None and not webhooks.job_url(view):
-        url = await webhooks.owner_url(conn, view.owner)
-    return webhooks.delivery(view, EventKind.STATE, data, 1, lambda: url) or webhooks.NO_DELIVERY
+    """The submit's first event's delivery, decided as every appended event's is (db/outbox.py)."""
+    return await outbox.delivery_async(conn, view, EventKind.STATE, data, 1)
 
 
 LOCK_COLUMNS = ("id, name, owner, queue, status, attempt, request::text AS request_json, error::text AS error_json, "

@@ -9,35 +9,36 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import Row, select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 from db import attempts
+from db.engine import run
 from db.models import Job
 
 Q = JobStatus.QUEUED
 
-LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))")
+LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))"
 
-UPSERT_NODE = text("""
+UPSERT_NODE = """
 INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, first_seen, last_seen)
-VALUES (:name, :kind, :slots, CAST(:devices AS jsonb), :queues, :jobs_max, :draining, :worker, :addr, now(), now())
+VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, now(), now())
 ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, devices = EXCLUDED.devices,
     queues = EXCLUDED.queues, jobs_max = EXCLUDED.jobs_max, draining = EXCLUDED.draining,
-    worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()""")
-NODES = text("""
+    worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()"""
+NODES = """
 SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
-       last_seen < now() - make_interval(secs => :gone) AS gone FROM nodes ORDER BY name""")
-HELD = text(f"""
+       last_seen < now() - make_interval(secs => $1) AS gone FROM nodes ORDER BY name"""
+HELD = f"""
 SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
-WHERE placement IS NOT NULL AND status IN {sql_list(UNFINISHED_STATUSES)}""")
+WHERE placement IS NOT NULL AND status IN {sql_list(UNFINISHED_STATUSES)}"""
 # The waiting jobs a pass looks at, read through ix_jobs_waiting (queue, owner, priority DESC, seq) rather than
-# from every waiting row's JSON. Exact for the first :per_queue of each queue: an owner's job that is not among
-# the owner's first :per_queue by (priority, age) has that many jobs of its owner before it in the queue order
-# (higher priority, or equal priority and an earlier turn), so each owner's first :per_queue are all a pass
+# from every waiting row's JSON. Exact for the first $2 of each queue: an owner's job that is not among
+# the owner's first $2 by (priority, age) has that many jobs of its owner before it in the queue order
+# (higher priority, or equal priority and an earlier turn), so each owner's first $2 are all a pass
 # needs. The owners with waiting jobs are found by skipping through the same index, not by a scan.
-CANDIDATES = text(f"""
+CANDIDATES = f"""
 WITH RECURSIVE owners AS (
     -- Every (queue, owner) with waiting jobs, one index probe each: the next pair after the last one found.
     (SELECT queue, owner FROM jobs WHERE status = '{Q}' AND placement IS NULL ORDER BY queue, owner LIMIT 1)
@@ -51,8 +52,8 @@ WITH RECURSIVE owners AS (
                coalesce((resolved->'spec'->'resources'->>'num_gpus')::int, gpus) AS per_node,
                coalesce((resolved->'spec'->'resources'->>'num_nodes')::int, 1) AS num_nodes
         FROM jobs WHERE status = '{Q}' AND placement IS NULL AND queue = o.queue AND owner = o.owner
-        ORDER BY priority DESC, seq LIMIT :per_queue) AS j
-    WHERE o.queue = ANY(:queues)
+        ORDER BY priority DESC, seq LIMIT $2) AS j
+    WHERE o.queue = ANY($1)
 ), served AS (
     -- When each waiting owner last had a job sent on the queue: the owner served longest ago goes first.
     SELECT j.owner, j.queue, max(j.dispatched_at) AS last FROM jobs AS j
@@ -65,25 +66,25 @@ WITH RECURSIVE owners AS (
     SELECT *, row_number() OVER (PARTITION BY queue ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq)
            AS pos FROM turns
 )
-SELECT id, attempt, queue, per_node, num_nodes, queued_reason FROM ranked WHERE pos <= :per_queue
-ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq""")
-PLACE = text(f"""
-UPDATE jobs SET placement = CAST(:placement AS jsonb), queued_reason = NULL, dispatched_at = NULL,
+SELECT id, attempt, queue, per_node, num_nodes, queued_reason FROM ranked WHERE pos <= $2
+ORDER BY priority DESC, turn, owner_served NULLS FIRST, seq"""
+PLACE = f"""
+UPDATE jobs SET placement = $3::jsonb, queued_reason = NULL, dispatched_at = NULL,
                 updated_at = now()
-WHERE id = :id AND attempt = :attempt AND status = '{Q}' AND placement IS NULL RETURNING id""")
-REASON = text(f"""
-UPDATE jobs SET queued_reason = :reason
-WHERE id = :id AND status = '{Q}' AND placement IS NULL AND queued_reason IS DISTINCT FROM :reason""")
+WHERE id = $1 AND attempt = $2 AND status = '{Q}' AND placement IS NULL RETURNING id"""
+REASON = f"""
+UPDATE jobs SET queued_reason = $2
+WHERE id = $1 AND status = '{Q}' AND placement IS NULL AND queued_reason IS DISTINCT FROM $2"""
 # Jobs of queues no live node serves, in one statement: they are not looked at one by one.
-UNSERVED = text(f"""
+UNSERVED = f"""
 UPDATE jobs SET queued_reason = 'waiting for a node serving queue ' || queue || ': none is up'
-WHERE status = '{Q}' AND placement IS NULL AND NOT (queue = ANY(:queues))
-  AND queued_reason IS DISTINCT FROM 'waiting for a node serving queue ' || queue || ': none is up'""")
+WHERE status = '{Q}' AND placement IS NULL AND NOT (queue = ANY($1))
+  AND queued_reason IS DISTINCT FROM 'waiting for a node serving queue ' || queue || ': none is up'"""
 
 
 def lock(session: Session) -> None:
     """Hold the scheduler's lock to the end of the transaction: two control planes never place at once."""
-    session.execute(LOCK)
+    run(session, LOCK)
 
 
 def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]:
@@ -92,23 +93,21 @@ def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]
     for a in announced:
         name = str(a["name"])[:64]
         names.add(name)
-        session.execute(UPSERT_NODE, {
-            "name": name, "kind": str(a.get("kind", "cpu"))[:32], "slots": int(a["slots"]),
-            "devices": json.dumps([str(d) for d in a.get("devices", [])]),
-            "queues": [str(q)[:64] for q in a.get("queues", [])], "jobs_max": int(a.get("jobs_max", 1)),
-            "draining": bool(a.get("draining")), "worker": str(a.get("worker", ""))[:200],
-            "addr": str(a.get("addr", "127.0.0.1"))[:200]})
+        run(session, UPSERT_NODE, name, str(a.get("kind", "cpu"))[:32], int(a["slots"]),
+            json.dumps([str(d) for d in a.get("devices", [])]), [str(q)[:64] for q in a.get("queues", [])],
+            int(a.get("jobs_max", 1)), bool(a.get("draining")), str(a.get("worker", ""))[:200],
+            str(a.get("addr", "127.0.0.1"))[:200])
     return names
 
 
-def nodes(session: Session, *, gone_seconds: float) -> list[Row[Any]]:
+def nodes(session: Session, *, gone_seconds: float) -> list[Any]:
     """Every node stored, with `gone`: unseen for more than `gone_seconds`."""
-    return list(session.execute(NODES, {"gone": gone_seconds}))
+    return run(session, NODES, gone_seconds).fetchall()
 
 
-def held(session: Session) -> list[Row[Any]]:
+def held(session: Session) -> list[Any]:
     """The placed jobs that have not ended (id, attempt, status, sent, placement): what holds slots."""
-    return list(session.execute(HELD))
+    return run(session, HELD).fetchall()
 
 
 def take_back(session: Session, job_id: str, attempt: int, reason: str) -> bool:
@@ -123,25 +122,24 @@ def take_back(session: Session, job_id: str, attempt: int, reason: str) -> bool:
 
 def mark_unserved(session: Session, served: list[str]) -> None:
     """Give every waiting job of a queue no live node serves its reason, in one statement."""
-    session.execute(UNSERVED, {"queues": served})
+    run(session, UNSERVED, served)
 
 
-def candidates(session: Session, served: list[str], *, per_queue: int) -> list[Row[Any]]:
+def candidates(session: Session, served: list[str], *, per_queue: int) -> list[Any]:
     """The waiting jobs of the queues in `served` a pass looks at, in the order they are served: (id, attempt,
     queue, per_node, num_nodes, queued_reason)."""
-    return list(session.execute(CANDIDATES, {"queues": served, "per_queue": per_queue}).all())
+    return run(session, CANDIDATES, served, per_queue).fetchall()
 
 
 def place(session: Session, job_id: str, attempt: int, placement: list[dict[str, Any]]) -> bool:
     """Commit where the attempt runs, if it is still queued and unplaced on that attempt (a cancel or requeue that
     got there first wins); returns whether it was placed."""
-    return session.execute(PLACE, {"id": job_id, "attempt": attempt,
-                                   "placement": json.dumps(placement)}).first() is not None
+    return run(session, PLACE, job_id, attempt, json.dumps(placement)).fetchone() is not None
 
 
 def set_reason(session: Session, job_id: str, reason: str) -> None:
     """Say why the waiting job is not placed (written only when it changed)."""
-    session.execute(REASON, {"id": job_id, "reason": reason})
+    run(session, REASON, job_id, reason)
 
 
 def placed_unsent(session: Session, *, limit: int) -> list[Job]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 from db import keyset
 from db import pool as pg
@@ -63,14 +65,16 @@ async def exists(job_id: str, owner: str | None = None) -> bool:
 
 
 CURSOR = "SELECT seq FROM jobs WHERE id = $1"
-CURSOR_FOR_OWNER = "SELECT seq FROM jobs WHERE id = $1 AND owner = $2"
+CURSOR_FOR_OWNER = CURSOR + " AND owner = $2"
 
 
-async def jobs_page(*, status: str | None, queue: str | None, limit: int, after: str | None,
-                    owner: str | None = None) -> bytes:
-    """Newest first, `limit` rows after the job `after`: a keyset page on (owner, seq), (status, seq),
-    (queue, seq) or seq. The cursor is a job the caller can see, or NotFound (another owner's job as an unknown
-    one): ids are random, so an id of no row names no place in the list."""
+async def job_rows(shape: str, *, limit: int, after: str | None, owner: str | None, status: str | None = None,
+                   queue: str | None = None, metadata: dict[str, str] | None = None) -> tuple[list[str], bool]:
+    """The one page query of the job lists (`GET /jobs` with SUMMARY_JSON, `/v1/fine_tuning/jobs` with JOB_JSON):
+    newest first, `limit` rows of `shape` after the job `after`, and whether more follow. A keyset page on (owner,
+    seq), (status, seq), (queue, seq) or seq. `metadata`: jobs whose metadata holds every pair ({}: jobs with none;
+    None: no filter). The cursor is a job the caller can see, or NotFound (another owner's job as an unknown one):
+    ids are random, so an id of no row names no place in the list."""
     page = keyset.Page()
     if after is not None:
         cursor = await (pg.fetchval(CURSOR, after) if owner is None else pg.fetchval(CURSOR_FOR_OWNER, after, owner))
@@ -79,11 +83,19 @@ async def jobs_page(*, status: str | None, queue: str | None, limit: int, after:
         page.where_(f"seq < {page.arg(cursor)}")
     for column, value in (("owner", owner), ("status", status), ("queue", queue)):
         page.equal(column, value)
-    sql = page.sql(SUMMARY_JSON, "jobs", "seq DESC", limit)
-    rows = [r[0] for r in await pg.fetch(sql, *page.args)]
-    has_more = len(rows) > limit
-    return b'{"data":[' + ",".join(rows[:limit]).encode() + b'],"has_more":' + (b"true" if has_more else b"false") \
-        + b"}"
+    if metadata == {}:
+        page.where_("metadata = '{}'::jsonb")
+    elif metadata:
+        page.where_(f"metadata @> {page.arg(orjson.dumps(metadata).decode())}::jsonb")
+    rows = [r[0] for r in await pg.fetch(page.sql(shape, "jobs", "seq DESC", limit), *page.args)]
+    return rows[:limit], len(rows) > limit
+
+
+async def jobs_page(*, status: str | None, queue: str | None, limit: int, after: str | None,
+                    owner: str | None = None) -> bytes:
+    """`GET /jobs`'s page: summaries, as one JSON body built without parsing a row."""
+    rows, has_more = await job_rows(SUMMARY_JSON, limit=limit, after=after, owner=owner, status=status, queue=queue)
+    return b'{"data":[' + ",".join(rows).encode() + b'],"has_more":' + (b"true" if has_more else b"false") + b"}"
 
 
 async def events_after(job_id: str, after: int, limit: int, types: list[str] | None, *,

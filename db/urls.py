@@ -1,10 +1,10 @@
-"""The database URL of the settings (a SQLAlchemy URL) as the plain libpq URL a raw driver connection takes."""
+"""The database URL of the settings (`postgresql+psycopg://…`, the form SQLAlchemy reads) as the plain libpq URL
+that asyncpg and psycopg connections take."""
 
 from __future__ import annotations
 
-from sqlalchemy.engine import make_url
-
 
 def dsn(url: str) -> str:
-    """The SQLAlchemy URL of the settings as a plain libpq URL."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    """`url` with any `+driver` dropped from its scheme; the rest, password included, as given."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme.split('+', 1)[0]}://{rest}" if sep else url

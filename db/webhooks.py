@@ -1,124 +1,26 @@
-"""Webhooks in the database: owners' secrets and default URLs, the outbox rows each job event adds, and the
-reads that show deliveries on a job.
+"""Webhooks in the database as the API serves them: owners' secrets and default URLs, and the reads that show a
+job's deliveries (the outbox row an event adds is db/outbox.py's).
 
 An owner's signing secret is stored sealed (core/secretbox.py): the column holds ciphertext under
 FT_SECRETS_KEY, `secret_prefix` the few characters shown to tell secrets apart, and the secret itself is in the
 answer that made it only.
-
-A delivery row is written by `db/events.py`'s `APPEND` with every event it appends (`delivery` gives its values), so
-the row commits or rolls back with the event it tells about (the ingester's batch, a cancel, the reaper's
-requeue): no state change goes unannounced and no announcement has no state change. The control plane's
-deliverer (controlplane/deliverer.py) sends them.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
-import psycopg
-from sqlalchemy import text
 
-from contract.codes import TERMINAL_STATUSES, AuditAction, EventKind, JobStatus, WebhookEvent
+from contract.codes import AuditAction
 from core import secretbox, webhooks
 from db import audit
 from db import pool as pg
 from db.errors import NotFound
-from db.sqltext import named
 
 if TYPE_CHECKING:
     from core.settings import StoreSettings
-
-
-class JobView(Protocol):
-    """What a delivery needs of its job: an ORM Job, or a row read by db/jobs.py."""
-
-    id: str
-    name: str
-    owner: str
-    queue: str
-    status: str
-    attempt: int
-    request: dict[str, Any] | None
-    error: dict[str, Any] | None
-    output: Any
-
-
-def new_id() -> str:
-    return "whd_" + secrets.token_hex(10)
-
-
-def event_type(job: JobView, kind: str, data: dict[str, Any]) -> str | None:
-    """The webhook event an appended job event is, or None. State events count only where the row now has
-    that state: an event the ingester kept but ignored (the job had ended) or a duplicate announces nothing."""
-    if kind == EventKind.CHECKPOINT:
-        return WebhookEvent.CHECKPOINT if data.get("committed") and job.status not in TERMINAL_STATUSES else None
-    if kind != EventKind.STATE or "ignored" in data:
-        return None
-    status = data.get("status")
-    if status == JobStatus.QUEUED and "previous_attempt" in data and job.status == JobStatus.QUEUED:
-        return WebhookEvent.REQUEUED
-    if status in (JobStatus.RUNNING, *TERMINAL_STATUSES) and job.status == status:
-        return WebhookEvent(f"job.{status}")
-    return None
-
-
-# Where a failed state event's data holds the error: the field is spelled as the event kind is.
-ERROR_FIELD = EventKind.ERROR.value
-
-
-def _details(job: JobView, event: str, data: dict[str, Any]) -> dict[str, Any]:
-    """What the receiver needs of the event; the job's full record is one `GET /jobs/{id}` away."""
-    if event == WebhookEvent.CHECKPOINT:
-        return {"step": data.get("step"), "path": data.get("path")}
-    if event == WebhookEvent.FAILED:
-        error = job.error or data.get(ERROR_FIELD) or {}
-        return dict(error={"code": error.get("code"), "message": error.get("message")})
-    if event == WebhookEvent.SUCCEEDED:
-        return {"output": job.output}
-    if event in (WebhookEvent.CANCELLED, WebhookEvent.REQUEUED):
-        return {k: data[k] for k in ("reason", "previous_attempt") if k in data}
-    return {}
-
-
-def job_url(job: JobView) -> str | None:
-    notifications = (job.request or {}).get("notifications") or {}
-    return notifications.get("webhook_url") if isinstance(notifications, dict) else None
-
-
-OWNER_URL = "SELECT url FROM webhook_owners WHERE owner = $1"
-OWNER_URL_NAMED = text(named(OWNER_URL))
-# The outbox row's values, in the order of db/events.py's APPEND ($7 to $12); all None: no delivery.
-NO_DELIVERY: tuple[None, ...] = (None,) * 6
-
-
-def delivery(job: JobView, kind: str, data: dict[str, Any], seq: int, owner_url: Any) -> tuple[Any, ...] | None:
-    """The delivery that announces the event (id, owner, event, url, receiver, payload JSON), or None: none where
-    the event announces nothing, or neither the job nor its owner names a URL. `owner_url()` reads the owner's
-    default URL (asked only when it is needed)."""
-    event = event_type(job, kind, data)
-    if event is None:
-        return None
-    url = job_url(job) or owner_url()
-    if not url:
-        return None
-    try:
-        receiver = webhooks.target(url).receiver
-    except webhooks.Refused:
-        return None  # an owner default set around the API; the submit refuses such a job URL
-    delivery_id = new_id()
-    payload = {"id": delivery_id, "type": event, "created_at": datetime.now(timezone.utc).isoformat(),
-               "job": {"id": job.id, "name": job.name, "owner": job.owner, "queue": job.queue, "status": job.status,
-                       "attempt": job.attempt},
-               "event_id": seq, "data": _details(job, event, data)}
-    return delivery_id, job.owner, event, url, receiver, json.dumps(payload, default=str)
-
-
-async def owner_url(conn: asyncpg.Connection, owner: str) -> str | None:
-    return await conn.fetchval(OWNER_URL, owner)
 
 
 OWNER_HAS_SECRET = "SELECT EXISTS (SELECT 1 FROM webhook_owners WHERE owner = $1)"
@@ -167,7 +69,11 @@ async def put_owner(*, owner: str, url: str | None, rotate: bool, sealed: str, p
 RESEAL_BATCH = 500
 
 
-def reseal_all(settings: StoreSettings) -> tuple[int, int, dict[str, str]]:
+RESEAL_READ = "SELECT owner, secret FROM webhook_owners WHERE owner > $1 ORDER BY owner LIMIT $2 FOR UPDATE"
+RESEAL_WRITE = "UPDATE webhook_owners SET secret = $2, secret_prefix = $3 WHERE owner = $1"
+
+
+async def reseal_all(settings: StoreSettings) -> tuple[int, int, dict[str, str]]:
     """Seal every stored webhook secret with the first key of FT_SECRETS_KEY (after a new key was put first;
     a plain one an older version wrote is sealed too): (changed, total, {owner: why} for rows no key opens).
     Rows are rewritten in batches, each locked while it changes, so it runs beside a serving API."""
@@ -175,11 +81,11 @@ def reseal_all(settings: StoreSettings) -> tuple[int, int, dict[str, str]]:
     changed = total = 0
     unreadable: dict[str, str] = {}
     after = ""
-    with psycopg.connect(pg.dsn(settings.database_url), autocommit=True) as conn:
+    conn = await asyncpg.connect(pg.dsn(settings.database_url), timeout=5)
+    try:
         while True:
-            with conn.transaction():
-                rows = conn.execute("SELECT owner, secret FROM webhook_owners WHERE owner > %s ORDER BY owner "
-                                    "LIMIT %s FOR UPDATE", (after, RESEAL_BATCH)).fetchall()
+            async with conn.transaction():
+                rows = await conn.fetch(RESEAL_READ, after, RESEAL_BATCH)
                 for owner, stored in rows:
                     if ring.sealed_with_first(stored):
                         continue
@@ -190,13 +96,15 @@ def reseal_all(settings: StoreSettings) -> tuple[int, int, dict[str, str]]:
                     except secretbox.Unreadable as exc:
                         unreadable[owner] = str(exc)
                         continue
-                    conn.execute("UPDATE webhook_owners SET secret = %s, secret_prefix = %s WHERE owner = %s",
-                                 (ring.seal(plain, context=context), plain[:webhooks.SHOWN_PREFIX], owner))
+                    await conn.execute(RESEAL_WRITE, owner, ring.seal(plain, context=context),
+                                       plain[:webhooks.SHOWN_PREFIX])
                     changed += 1
             total += len(rows)
             if len(rows) < RESEAL_BATCH:
                 return changed, total, unreadable
             after = rows[-1][0]
+    finally:
+        await conn.close()
 
 
 DELIVERY_JSON = """json_build_object(

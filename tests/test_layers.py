@@ -200,6 +200,44 @@ def test_the_api_loads_neither_torch_nor_the_orm_session_nor_the_control_plane_n
         assert sorted(m for m in seen if m == forbidden or m.startswith(forbidden + ".")) == [], forbidden
 
 
+# The database drivers, by the top-level module a process imports for each. SQLAlchemy is no driver of its own: it
+# runs on psycopg (its URL says `+psycopg`), so it counts as psycopg.
+DRIVERS = {"asyncpg": "asyncpg", "psycopg": "psycopg", "sqlalchemy": "psycopg"}
+
+
+def drivers(seen: set[str]) -> set[str]:
+    return {driver for module, driver in DRIVERS.items() if module in seen}
+
+
+def test_one_database_driver_per_process() -> None:
+    """The API and its operator tools speak asyncpg; the control plane psycopg (its ORM, its deliverer's and its
+    listener's connections); workers and the trainer no database at all."""
+    assert drivers(loaded("api")) == {"asyncpg"}
+    assert drivers(loaded("controlplane")) == {"psycopg"}
+    assert drivers(loaded("worker,trainer")) == set()
+
+
+# A parameter of another style than Postgres's own `$n`: SQLAlchemy's `:name`, psycopg's `%(name)s` and `%s`.
+OTHER_PLACEHOLDER = re.compile(r"(?<![:\w]):[a-z_]\w*\b|%\(\w+\)s|%s\b")
+
+
+def test_every_statement_is_written_one_way_with_dollar_parameters() -> None:
+    """db/ writes each statement as text with `$n` parameters, which asyncpg (db/pool.py) and psycopg's raw cursor
+    (db/engine.py `run`) both send as written: no rewriting, no second style, no SQLAlchemy `text()` statement."""
+    offenders = []
+    for name, path, tree in modules():
+        if name.split(".")[0] != "db" or name == "db.models":  # models: DDL fragments of the schema, not statements
+            continue
+        skip = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip \
+                    and SQL.search(node.value) and OTHER_PLACEHOLDER.search(node.value):
+                offenders.append(f"{where(path, node.lineno)} {OTHER_PLACEHOLDER.search(node.value)[0]!r}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "text":
+                offenders.append(f"{where(path, node.lineno)} text(")
+    assert offenders == [], "\n".join(offenders)
+
+
 # The keys of a RunSpec or AttemptOrder (contract/spec.py): a worker or trainer that indexes a dict by them is
 # editing a copy of the run spec that validation no longer checks.
 RUN_SPEC_KEYS = {"job", "spec", "paths", "deepspeed_config", "hyperparameters"}

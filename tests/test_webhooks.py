@@ -31,7 +31,7 @@ from controlplane.deliverer import Claimed, Deliverer, backoff
 from controlplane.settings import ControlPlaneSettings
 from core import secretbox, webhooks
 from db.models import Job
-from db.webhooks import event_type
+from db.outbox import event_type
 from tests.apiproc import ApiProcess, add_key, fixed_key
 from tests.helpers import wait_for, wait_status
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 from core import secretbox
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["rotate"]:
         settings = settings_or_exit(StoreSettings, "secrets tool")
-        changed, total, unreadable = reseal_all(settings)
+        changed, total, unreadable = asyncio.run(reseal_all(settings))
         print(f"{changed} of {total} webhook secrets re-encrypted with key {secretbox.keyring(settings).sealing_id}")
         for owner, why in unreadable.items():
             print(f"owner {owner!r}: its webhook secret cannot be decrypted: {why}", file=sys.stderr)
