@@ -57,6 +57,10 @@ PASSED: dict[str, Section] = {
     "aio": pass_aio,
 }
 BATCH_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Top-level numbers a job field also sets, by (section, field) of the job spec: the config's value becomes the job's
+# (a conflict with one the job gives is refused naming both), "auto" keeps the job's, and a config that leaves it
+# unset gets DeepSpeed's default, as running that config alone would. render.py writes the field back.
+ADOPTED_TOP: dict[str, tuple[str, str]] = {"gradient_clipping": ("hyperparameters", "gradient_clipping")}
 
 
 class Merger(MergeState):
@@ -86,8 +90,8 @@ class Merger(MergeState):
                     self.err(key, f"is {DS}'s {UNRUN_TOP[key]}, which this service does not run", "unrun")
             elif key in BATCH_FIELDS:
                 self._batch_field(key, value)
-            elif key == "gradient_clipping":
-                self._merge_gradient_clipping(value)
+            elif key in ADOPTED_TOP:
+                self._adopt_top(key, value)
             elif key in MERGED_TOP:
                 SECTIONS[key](self, value)
             elif key in PASSTHROUGH_KINDS:
@@ -117,24 +121,28 @@ class Merger(MergeState):
             return
         self.batch[key] = value
 
-    def _merge_gradient_clipping(self, v: Any) -> None:
-        self.out.clipping_given = True
-        hp = self.spec.hyperparameters
+    def _adopt_top(self, key: str, v: Any) -> None:
+        """A top-level number the job also has a field for (ADOPTED_TOP): the config's value becomes the job's."""
+        self.out.top_given.add(key)
+        section_name, name = ADOPTED_TOP[key]
+        section = getattr(self.spec, section_name)
         if is_auto(v):
-            if not explicit(hp, "gradient_clipping"):
-                self.notes.append(f'gradient_clipping is "auto": the job\'s {hp.gradient_clipping} applies.')
+            if not explicit(section, name):
+                self.notes.append(f'{key} is "auto": the job\'s {getattr(section, name)} applies.')
             return
-        self.number("gradient_clipping", v, lambda x: self.adopt(
-            hp, "gradient_clipping", x, "gradient_clipping", "hyperparameters.gradient_clipping"))
+        self.number(key, v, lambda x: self.adopt(section, name, x, key, f"{section_name}.{name}"))
 
     def _finish(self) -> None:
         """What the config left unset or "auto"."""
-        hp, ds, out = self.spec.hyperparameters, self.spec.deepspeed, self.out
+        ds, out = self.spec.deepspeed, self.out
         finish_precision(self)
         if not out.stage_given and not explicit(ds, "zero_stage"):
             ds.zero_stage = fields.lookup("zero_optimization", "stage").default  # type: ignore[union-attr]
             self.notes.append(f"zero_optimization.stage is unset: ZeRO stage {ds.zero_stage}, {DS}'s default.")
-        if not out.clipping_given and not explicit(hp, "gradient_clipping"):
-            hp.gradient_clipping = float(fields.top_level_default("gradient_clipping"))
+        for key, (section_name, name) in ADOPTED_TOP.items():
+            # A config left it unset: DeepSpeed's default, which running that config alone would have used.
+            section = getattr(self.spec, section_name)
+            if key not in out.top_given and not explicit(section, name):
+                setattr(section, name, float(fields.top_level_default(key)))
         finish_optimizer(self)
         finish_scheduler(self)

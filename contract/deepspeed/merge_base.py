@@ -60,7 +60,7 @@ class Merged:
     precision_blocks: dict[str, Any] = field(default_factory=dict)
     zero_given: bool = False
     stage_given: bool = False
-    clipping_given: bool = False
+    top_given: set[str] = field(default_factory=set)  # the ADOPTED_TOP keys the config gave
 
 
 class MergeState:
