@@ -40,6 +40,16 @@ def sql_list(statuses: Iterable[JobStatus]) -> str:
     return "(" + ", ".join(f"'{s.value}'" for s in statuses) + ")"
 
 
+class Method(str, enum.Enum):
+    """How a job trains (`method.type`): on demonstrations, or on preference pairs."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    SUPERVISED = "supervised"
+    DPO = "dpo"
+
+
 class EventKind(str, enum.Enum):
     """`job_events.type`: what an event of a job's log is. The trainer emits its own kinds (trainer/events.py),
     the worker adds `log` and `state`, the control plane `state` and `unreadable`."""

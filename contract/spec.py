@@ -26,7 +26,10 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from contract.codes import Method
+from contract.files import FileFormat as DataFormat
 from contract.stages import spec_problems
+from contract.storage import StoreConfig
 
 # Bounds on everything a request may hold. Each one keeps a value inside what Postgres, numpy/torch and
 # DeepSpeed accept, and keeps every validation step (the batch arithmetic included) at a few milliseconds.
@@ -310,8 +313,9 @@ class DataSpec(_Strict):
                                     description="Validation data: a processed file id of the caller's, or a path "
                                                 "under the data root")
     validation_fraction: StrictFloat = Field(default=0.0, ge=0.0, lt=0.5)
-    format: Literal["text", "jsonl", "chat", "completion"] = Field(
-        default="text", description="For a file id, the file's own format when unset (and it must agree when set)")
+    format: Literal["text", "jsonl", "chat", "completion", "preference"] = Field(
+        default="text", description="For a file id, the file's own format when unset (and it must agree when set); "
+                                    "preference pairs are what a `method.type: dpo` job trains on, and only it")
     text_field: Text = Field(default="text", min_length=1, max_length=200, description="JSONL field holding the text")
     packing: StrictBool = True
 
@@ -459,6 +463,43 @@ def _or_model_name(schema: dict[str, Any]) -> None:
                               "description": "The same as {\"name_or_path\": ...}"}]
 
 
+class DpoSpec(_Strict):
+    """Direct preference optimisation (docs/preference.md): the model learns to rank each pair's chosen answer above
+    its rejected one, measured against a reference model. The loss is trl's `DPOTrainer`'s, term for term."""
+
+    beta: StrictFloat = Field(default=0.1, gt=0.0, le=100.0, description=(
+        "How far the model may move from the reference: larger keeps it closer (0 < beta ≤ 100)"))
+    loss: Literal["sigmoid", "ipo"] = Field(default="sigmoid", description=(
+        "sigmoid: the DPO paper's loss; ipo: the IPO loss, on per-token averages of the log-probabilities"))
+    sft_weight: StrictFloat = Field(default=0.0, ge=0.0, le=100.0, description=(
+        "Weight of a supervised term on the chosen answers (their per-token negative log-likelihood) added to the "
+        "loss; 0 turns it off"))
+    length_normalization: StrictBool = Field(default=False, description=(
+        "Compare per-token averages of the log-probabilities instead of their sums, so a longer answer is not "
+        "favoured for its length (IPO always does)"))
+    reference: Literal["auto", "adapters_off", "precomputed", "none"] = Field(default="auto", description=(
+        "The reference model: adapters_off (LoRA only: the base model with the adapters disabled, no second "
+        "copy); precomputed (the reference log-probabilities of every pair computed in one pass before training "
+        "and kept with the job's checkpoints); none (reference-free); auto: adapters_off with LoRA, else "
+        "precomputed"))
+
+
+class MethodSpec(_Strict):
+    """How the job trains: on demonstrations (supervised) or on preference pairs (dpo)."""
+
+    type: Method = Method.SUPERVISED
+    dpo: DpoSpec | None = Field(default=None, description="The preference method's settings (type dpo only)")
+
+    @model_validator(mode="after")
+    def _settings_of_its_type(self) -> MethodSpec:
+        if self.type == Method.DPO and self.dpo is None:
+            self.dpo = DpoSpec()
+        elif self.type != Method.DPO and self.dpo is not None:
+            raise _at("MethodSpec", "dpo", self.dpo, f"is for method.type {Method.DPO.value!r}; this job's "
+                                                             f"type is {self.type.value!r}")
+        return self
+
+
 class Shown(_Strict):
     """The fields of a request that every job response shows as they were sent: api/schemas.py's JobSummary takes
     them from here, and db/reads.py's SUMMARY_FIELDS names their columns (CONTRIBUTING.md)."""
@@ -484,11 +525,45 @@ class JobSpec(Shown):
     checkpointing: Checkpointing = Field(default_factory=Checkpointing)
     lora: LoraSpec | None = None
     notifications: Notifications | None = None
+    method: MethodSpec = Field(default_factory=MethodSpec)
 
     @field_validator("model", mode="before")
     @classmethod
     def _model_from_string(cls, v: Any) -> Any:
         return {"name_or_path": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _method_rules(self) -> JobSpec:
+        """What a method asks of the rest of the job, each refusal at the field to change."""
+        problems: list[tuple[tuple[str, ...], Any, str]] = []
+        fmt_given = "format" in self.data.model_fields_set
+        preference = DataFormat.PREFERENCE.value
+        if self.method.type == Method.DPO:
+            if not fmt_given:
+                # A file id's own format still decides (api/services/inputs.py); it must then be preference.
+                self.data.format = preference  # type: ignore[assignment]
+                self.data.__pydantic_fields_set__.discard("format")
+            elif self.data.format != preference:
+                problems.append((("data", "format"), self.data.format, (
+                    f"is {self.data.format!r}, but a dpo job trains on preference pairs: set data.format to "
+                    f"{preference!r} (or leave it unset for a file id)")))
+            dpo = self.method.dpo
+            if dpo is not None and dpo.reference == "adapters_off" and self.lora is None:
+                problems.append((("method", "dpo", "reference"), dpo.reference,
+                                 "is 'adapters_off', which needs lora: without adapters there is nothing to turn "
+                                 "off; use 'precomputed' or 'auto'"))
+            if self.resources.pipeline_stages > 1:
+                problems.append((("resources", "pipeline_stages"), self.resources.pipeline_stages,
+                                 "must be 1 for a dpo job: the pipeline stages run the supervised loss only"))
+        elif fmt_given and self.data.format == preference:
+            problems.append((("data", "format"), self.data.format, (
+                "is 'preference', which trains a dpo job only: set method.type to 'dpo', or give a file of "
+                "demonstrations (chat, completion, jsonl or text)")))
+        if problems:
+            raise ValidationError.from_exception_data("JobSpec", [InitErrorDetails(
+                type=PydanticCustomError("value_error", "{message}", {"message": m}), loc=loc, input=v)
+                for loc, v, m in problems])
+        return self
 
     @model_validator(mode="after")
     def _pipeline_rules(self) -> JobSpec:
@@ -554,11 +629,10 @@ class ResolvedJob(_Strict):
 
 
 class StoreRef(_Strict):
-    """The artifact store the trainer commits checkpoints to (store/objects.py); credentials come from the
-    inherited AWS_* environment, never from this file."""
+    """The artifact store the trainer commits checkpoints to, its config whole (contract/storage.py); credentials
+    come from the inherited AWS_* environment, never from this file."""
 
-    url: str
-    endpoint: str | None = None
+    config: StoreConfig
     job_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,40}$", description="Whose keys: jobs/<job id>/ in the store")
 
 

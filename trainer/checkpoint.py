@@ -30,6 +30,8 @@ from trainer.uploader import Pending, Uploads
 
 COMMITTED = "COMMITTED"
 STATE_FILE = "trainer_state.json"
+# What a method keeps beside the weights and must find again on resume (a dpo job's reference log-probabilities).
+EXTRAS_FILE = "extras.pt"
 TAG_PREFIX = "step-"
 SAVE_PAUSE_ENV = "FT_TEST_SAVE_PAUSE_SECONDS"
 # A measuring seam (bench/checkpoint_stall.py): the save waits for its upload and commit, as a synchronous save
@@ -109,7 +111,7 @@ def write_model_files(folder: Path, module: Any, tokenizer: Any) -> None:
 
 
 def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int, rank: int, fence: Fence,
-         uploads: Uploads | None = None, tokenizer: Any = None) -> Path:
+         uploads: Uploads | None = None, tokenizer: Any = None, extras: dict[str, torch.Tensor] | None = None) -> Path:
     """Collective: every rank must call it at the same step. With `uploads` (a job the worker runs) the
     checkpoint is also uploaded to the store beside the next steps and committed there by its manifest
     (trainer/uploader.py), which then emits the `checkpoint` event. With `tokenizer`, the model's own files are
@@ -131,6 +133,8 @@ def save(engine: Any, checkpoint_dir: Path, state: TrainerState, keep_last: int,
     if rank == 0:
         (staged / STATE_FILE).write_text(json.dumps(asdict(state)))
         write_model_files(staged / stored.HF_FOLDER, engine.module, tokenizer)
+        if extras:
+            torch.save(extras, staged / EXTRAS_FILE)
     elastic.record(staged, engine, rank)
     _pause_for_tests()
     _barrier()
@@ -187,6 +191,13 @@ def resume(engine: Any, checkpoint_dir: Path, rank: int, fence: Fence, node_rank
     if rng_file.is_file():
         _set_rng_state(json.loads(rng_file.read_text()))
     return state
+
+
+def extras(checkpoint_dir: Path) -> dict[str, torch.Tensor] | None:
+    """What the newest committed checkpoint keeps beside the weights (`save`'s `extras`), or None."""
+    tags = committed_tags(checkpoint_dir)
+    path = tags[-1] / EXTRAS_FILE if tags else None
+    return torch.load(path, weights_only=True) if path is not None and path.is_file() else None
 
 
 class StopFlag:

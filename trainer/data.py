@@ -204,6 +204,12 @@ Example = tuple[list[int], list[int]]  # token ids and labels of one document
 def load_examples(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenizerBase,
                   seed: int) -> tuple[list[Example], list[Example]]:
     """Training and validation examples, tokenized (no validation: an empty list)."""
+    train_docs, val_docs = read_split(spec, paths, seed)
+    return encode(tokenizer, train_docs, spec.format), encode(tokenizer, val_docs, spec.format)
+
+
+def read_split(spec: DataSpec, paths: RunPaths, seed: int) -> tuple[list[Document], list[Document]]:
+    """The training documents and the validation documents: the validation file's, or a fraction held out."""
     train_docs = read_documents(resolve_path(spec.train, paths), spec)
     val_docs: list[Document] = []
     if spec.validation:
@@ -216,7 +222,7 @@ def load_examples(spec: DataSpec, paths: RunPaths, tokenizer: PreTrainedTokenize
         held = set(order[:n_val])
         val_docs = [d for i, d in enumerate(train_docs) if i in held]
         train_docs = [d for i, d in enumerate(train_docs) if i not in held]
-    return encode(tokenizer, train_docs, spec.format), encode(tokenizer, val_docs, spec.format)
+    return train_docs, val_docs
 
 
 def blocks_of(train: list[Example], val: list[Example], *, seq_len: int, pad_id: int, packing: bool,

@@ -324,6 +324,31 @@ def _use_fused_loss(model: torch.nn.Module) -> None:
     lm.forward = MethodType(_loss_forward, lm)
 
 
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+
+def _model_inputs(plan: KernelPlan, batch: dict[str, torch.Tensor],
+                  device: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What the model's forward takes of a host batch, on the device, and the varlen plan's document offsets."""
+    extra: dict[str, Any] = {}
+    names = [k for k in MODEL_INPUTS if k in batch]
+    if plan.attention == "varlen":
+        # Padding sits after the real tokens of its row or document, and causal attention already hides it.
+        names = [k for k in names if k != "attention_mask"]
+        pos = batch.get("position_ids")
+        offsets, longest = segments(None if pos is None else pos.cpu(), tuple(batch["input_ids"].shape))
+        extra["ft_segments"] = (offsets.to(device, non_blocking=True), longest)
+    return {k: batch[k].to(device, non_blocking=True) for k in names}, extra
+
+
+def logits(engine: Any, batch: dict[str, torch.Tensor], device: str) -> torch.Tensor:
+    """The model's logits for a host batch, through the attention this process chose (a preference loss scores
+    whole sequences from them: trainer/preference.py)."""
+    plan: KernelPlan = getattr(getattr(engine, "module", engine), PLAN_ATTR, STOCK)
+    inputs, extra = _model_inputs(plan, batch, device)
+    return engine(**inputs, use_cache=False, **extra).logits
+
+
 def token_loss_sum(engine: Any, batch: dict[str, torch.Tensor], device: str) -> torch.Tensor:
     """Summed next-token cross entropy over labelled tokens (the caller divides by the global count).
 
@@ -331,14 +356,7 @@ def token_loss_sum(engine: Any, batch: dict[str, torch.Tensor], device: str) -> 
     position ids before anything moves."""
     plan: KernelPlan = getattr(getattr(engine, "module", engine), PLAN_ATTR, STOCK)
     labels = batch.pop("labels")
-    extra: dict[str, Any] = {}
-    if plan.attention == "varlen":
-        # Padding sits after the real tokens of its row or document, and causal attention already hides it.
-        batch.pop("attention_mask", None)
-        pos = batch.get("position_ids")
-        offsets, longest = segments(None if pos is None else pos.cpu(), tuple(batch["input_ids"].shape))
-        extra["ft_segments"] = (offsets.to(device, non_blocking=True), longest)
-    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    inputs, extra = _model_inputs(plan, batch, device)
     if plan.fused_loss:
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         return engine(**inputs, ft_targets=targets.to(device, non_blocking=True), use_cache=False, **extra)

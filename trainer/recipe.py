@@ -7,7 +7,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from contract.codes import EventKind
+from contract.codes import EventKind, Method
 from contract.spec import ResolvedJob, RunSpec
 from trainer import (
     batching,
     checkpoint,
+    dpo,
     dsconfig,
     export,
     flops,
@@ -136,6 +137,17 @@ class Session:
     rng: dict[str, Any]
     forced: oom.ForcedOOM
     uploads: uploader.Uploads | None = None  # None: run by hand, checkpoints stay on this disk
+    preference: Preference | None = None  # a dpo job's method: its blocks are trainer/pairs.py's
+
+
+@dataclass
+class Preference:
+    """What a dpo job's tries share: the loss, the reference and the per-batch counts of its pairs."""
+
+    loss: Any  # trainer.preference.DpoLoss
+    reference: dpo.Reference
+    counts: dpo.Counts
+    stats: dict[str, Any]
 
 
 @dataclass
@@ -181,6 +193,7 @@ class Loop:
     progress: Progress
     run_start: float
     start_step: int
+    metrics: dict[str, float] = field(default_factory=dict)  # a dpo job's figures of its last step (trl's names)
 
 
 def _rng_snapshot() -> dict[str, Any]:
@@ -213,10 +226,14 @@ def run(run_spec: RunSpec) -> None:
     stop = StopFlag()
     location = model_location(spec, paths)
     tokenizer = load_tokenizer(spec, location)
-    run_spec, train_blocks, val_blocks = _data_and_batch(run_spec, tokenizer, world)
+    preference = None
+    if spec.method.type == Method.DPO:
+        run_spec, train_blocks, val_blocks, preference = _pairs_and_batch(run_spec, tokenizer, world)
+    else:
+        run_spec, train_blocks, val_blocks = _data_and_batch(run_spec, tokenizer, world)
     session = Session(run_spec, rank, world, get_accelerator().current_device_name(), stop, location, tokenizer,
                       train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM(),
-                      uploader.Uploads.for_run(run_spec, rank))
+                      uploader.Uploads.for_run(run_spec, rank), preference)
     finished = False
     try:
         _run_tries(session)
@@ -248,6 +265,27 @@ def _data_and_batch(run_spec: RunSpec, tokenizer: Any, world: int) -> tuple[RunS
                examples_per_step=chosen.examples_per_step, examples=len(train), rows=chosen.rows,
                reason="; ".join(chosen.notes) or "the batch fits the data")
     return run_spec.model_copy(update={"job": chosen.applied(job)}), *blocks
+
+
+def _pairs_and_batch(run_spec: RunSpec, tokenizer: Any, world: int) -> tuple[RunSpec, Any, Any, Preference]:
+    """A dpo job's pair rows and the batch they allow, as `_data_and_batch` settles a supervised job's: a batch
+    unit is a packed row of whole pairs, or one pair unpacked."""
+    job = run_spec.job
+    spec = job.spec
+    data = dpo.load(run_spec, tokenizer, packing=spec.data.packing)
+    chosen = batching.plan(job, examples=data.train.pairs, packed_rows=len(data.train) if data.train.packed
+                           else data.train.pairs, dp=world // spec.resources.pipeline_stages)
+    if chosen.changes(job):
+        if chosen.packing != data.train.packed:
+            data = dpo.load(run_spec, tokenizer, packing=chosen.packing)
+        emit_rank0(EventKind.RESOLVED, global_batch_size=chosen.global_batch, micro_batch_size=chosen.micro,
+                   gradient_accumulation_steps=chosen.accum, packing=chosen.packing,
+                   examples_per_step=chosen.examples_per_step, examples=data.train.pairs, rows=chosen.rows,
+                   reason="; ".join(chosen.notes) or "the batch fits the data")
+        run_spec = run_spec.model_copy(update={"job": chosen.applied(job)})
+    preference = Preference(dpo.loss_config(run_spec.job), dpo.Reference(dpo.reference_mode(run_spec.job)),
+                            dpo.Counts(data.train), data.stats)
+    return run_spec, data.train, data.val, preference
 
 
 def _run_tries(session: Session) -> None:
@@ -330,7 +368,8 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         plan = pipeline.kernel_plan(plan)
     kernel_adjustments = kernels.apply(model, plan)
     micro, accum = job.micro_batch_size, job.gradient_accumulation_steps
-    if setting is None and job.micro_batch_auto and _on_gpu() and stages == 1 and tuning.fits_unsharded(model):
+    if setting is None and job.micro_batch_auto and _on_gpu() and stages == 1 and session.preference is None \
+            and tuning.fits_unsharded(model):
         # The API could only estimate; here the GPU is measured. The global batch stays as resolved.
         micro, reason = tuning.probe_micro_batch(model, job, token_loss_sum, device, model.config.vocab_size)
         accum = hp.global_batch_size // (micro * world)
@@ -376,6 +415,9 @@ def _loop(session: Session, run: Try, guard: Guard) -> None:
 
 
 def _steps(session: Session, run: Try, guard: Guard, loop: Loop) -> None:
+    if session.preference is not None:
+        _preference_steps(session, run, guard, loop, session.preference)
+        return
     state, order, train_blocks = loop.state, run.order, session.train_blocks
     while state.step < run.total_steps:
         global_rows = order.global_rows(state.epoch, state.next_batch)
@@ -399,6 +441,41 @@ def _steps(session: Session, run: Try, guard: Guard, loop: Loop) -> None:
         _between_steps(session, run, loop, stop_votes)
 
 
+def _preference_steps(session: Session, run: Try, guard: Guard, loop: Loop, pref: Preference) -> None:
+    """`_steps` for a dpo job: the same batches, stops, checkpoints and evals; the loss of trainer/dpo.py."""
+    state, order, blocks = loop.state, run.order, session.train_blocks
+    while state.step < run.total_steps:
+        units = order.global_rows(state.epoch, state.next_batch)
+        pairs, chosen_tokens, real_tokens = pref.counts.of(units)
+        if guard.active:
+            guard.phase = "forward"
+
+        def at_boundary() -> None:
+            if guard.active:
+                guard.phase = "step"
+
+        lr = run.scheduler.get_last_lr()[0]
+        sums = dpo.train_step(run.engine, blocks, order.micro_rows(state.epoch, state.next_batch, session.rank),
+                              pref.reference, pref.loss, session.device, pairs=pairs, chosen_tokens=chosen_tokens,
+                              accum=order.accum, world=order.world, on_boundary=at_boundary)
+        state.step += 1
+        guard.step = state.step
+        if guard.active and state.step - loop.start_step >= oom.ADAPT_STEPS:
+            guard.active = False
+        state.tokens_seen += real_tokens
+        state.next_batch += 1
+        if state.next_batch >= order.batches_per_epoch:
+            state.epoch, state.next_batch = state.epoch + 1, 0
+        figures, (stop_votes,) = dpo.figures(sums, pairs=pairs, chosen_tokens=chosen_tokens, cfg=pref.loss,
+                                             device=session.device, extra=[float(session.stop.requested)])
+        state.last_loss = figures.pop("loss")
+        loop.progress.window_tokens += real_tokens
+        loop.progress.window_pairs += float(loop.row_pairs[blocks.unit_rows(units)].sum())
+        loop.metrics = figures
+        _report_progress_if_due(session, run, loop, lr)
+        _between_steps(session, run, loop, stop_votes)
+
+
 def _begin(session: Session, run: Try, guard: Guard) -> Loop:
     """Resume from the newest committed checkpoint, announce the start, and start the meters and clocks."""
     paths, hp, train_blocks = session.run_spec.paths, run.job.spec.hyperparameters, session.train_blocks
@@ -407,6 +484,8 @@ def _begin(session: Session, run: Try, guard: Guard) -> Loop:
     placement = session.run_spec.placement
     state = checkpoint.resume(run.engine, ckpt_dir, session.rank, fence,
                               node_rank=placement.node_rank if placement else 0) or TrainerState()
+    if session.preference is not None:
+        _reference_ready(session, run, state, ckpt_dir)
     _emit_started(session, run, state)
     flop_counts = flops.counts(getattr(run.engine.module, "config", None), run.n_params, hp.seq_len)
     row_pairs = flops.attended_pairs(train_blocks.position_ids, train_blocks.real_tokens)
@@ -422,6 +501,23 @@ def _begin(session: Session, run: Try, guard: Guard) -> Loop:
     return loop
 
 
+def _reference_ready(session: Session, run: Try, state: TrainerState, ckpt_dir: Path) -> None:
+    """A precomputed reference: the one the resumed checkpoint kept, or computed now, before the first step,
+    while the model is still the one loaded (the reference by definition)."""
+    reference = session.preference.reference  # type: ignore[union-attr]
+    if reference.mode != dpo.PRECOMPUTED or reference.table:
+        return
+    if state.step:
+        if not reference.restore(checkpoint.extras(ckpt_dir)):
+            raise RuntimeError(f"the checkpoint of step {state.step} keeps no reference log-probabilities; a dpo job "
+                               "with a precomputed reference resumes only from its own checkpoints")
+        return
+    micro = run.setting.micro_batch_size
+    for which, blocks in (("train", session.train_blocks), ("val", session.val_blocks)):
+        if blocks is not None:
+            reference.precompute(run.engine, blocks, which, micro, session.rank, session.world, session.device)
+
+
 def _emit_started(session: Session, run: Try, state: TrainerState) -> None:
     setting, spec = run.setting, run.job.spec
     emit_rank0(EventKind.STARTED, world_size=session.world, total_steps=run.total_steps,
@@ -431,7 +527,9 @@ def _emit_started(session: Session, run: Try, state: TrainerState) -> None:
                n_trainable_params=run.n_trainable, adjustments=run.adjustments,
                device=get_accelerator().device_name(), attempt=session.run_spec.attempt,
                optimizer=spec.hyperparameters.optimizer, on_oom=spec.resources.on_oom,
-               memory_setting=setting.shown())
+               memory_setting=setting.shown(), method=spec.method.type.value,
+               **({} if session.preference is None else {
+                   "pairs": session.preference.stats, "reference": session.preference.reference.mode}))
 
 
 def _optimizer_step(session: Session, run: Try, guard: Guard, loop: Loop,
@@ -477,7 +575,7 @@ def _report_progress_if_due(session: Session, run: Try, loop: Loop, lr: float) -
         loss=state.last_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
         tokens_per_second=tps, tokens_seen=state.tokens_seen,
         eta_seconds=per_step * (run.total_steps - state.step),
-        peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None,
+        peak_memory_bytes=accel.max_memory_allocated() if accel.device_name() == "cuda" else None, **loop.metrics,
         **flops.mfu(loop.flop_counts, progress.window_tokens, progress.window_pairs, elapsed,
                     loop.peak * session.world if loop.peak else None))
     progress.last_emit, progress.window_start = now, now
@@ -490,19 +588,26 @@ def _between_steps(session: Session, run: Try, loop: Loop, stop_votes: float) ->
     eval_every = spec.hyperparameters.eval_every_steps if session.val_blocks is not None else None
     if eval_every and state.step % eval_every == 0 and state.step < run.total_steps:
         _evaluate_and_emit(session, run, loop)
+    extras = session.preference.reference.state() if session.preference is not None else None
     if stop_votes > 0:
         checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
-                        session.uploads, session.tokenizer)
+                        session.uploads, session.tokenizer, extras=extras)
         emit_rank0(EventKind.INTERRUPTED, step=state.step, reason="SIGTERM")
         raise Interrupted(state.step)
     every = spec.checkpointing.every_steps
     if every and state.step % every == 0:
         checkpoint.save(run.engine, loop.ckpt_dir, state, spec.checkpointing.keep_last, session.rank, loop.fence,
-                        session.uploads, session.tokenizer)
+                        session.uploads, session.tokenizer, extras=extras)
 
 
 def _evaluate_and_emit(session: Session, run: Try, loop: Loop) -> None:
     micro, device = run.setting.micro_batch_size, session.device
+    if session.preference is not None:
+        pref = session.preference
+        figures = dpo.evaluate(run.engine, session.val_blocks, pref.reference, pref.loss, micro, session.rank,
+                               session.world, device)
+        emit_rank0(EventKind.EVAL, step=loop.state.step, **figures)
+        return
     if loop.pipelined:
         loss_v, ppl = pipeline.evaluate(run.engine, session.val_blocks, micro, device)
     else:

@@ -11,8 +11,9 @@ from typing import Any
 import orjson
 
 from api.services import checkpoints
-from contract.codes import JobStatus
-from contract.files import FileStatus
+from contract import datasets
+from contract.codes import JobStatus, Method
+from contract.files import FileFormat, FileStatus
 from contract.problems import FieldError
 from contract.spec import (
     ResolvedJob,
@@ -140,9 +141,20 @@ async def _data(resolved: ResolvedJob, owner: str, files_found: dict[str, dict[s
                                              sha256=found["sha256"])
     if not formats:
         return errors
+    preference = FileFormat.PREFERENCE.value
     if "format" in data.model_fields_set:
-        errors += [FieldError("data.format", f"is {data.format!r} but {field} is a {fmt} file")
+        errors += [FieldError("data.format", datasets.format_conflict(data.format, fmt, field)
+                              or f"is {data.format!r} but {field} is a {fmt} file")
                    for field, fmt in formats.items() if fmt != data.format]
+    elif resolved.spec.method.type == Method.DPO or preference in formats.values():
+        # The method decides which shape the files must have; each file of the other is refused at its field.
+        wanted = preference if resolved.spec.method.type == Method.DPO else None
+        errors += [FieldError(field, f"is a {fmt} file; " + (
+            f"a {Method.DPO.value} job trains on preference pairs: {datasets.NEEDS_PREFERENCE}" if wanted else
+            f"{datasets.NEEDS_SUPERVISED}, or set method.type to {Method.DPO.value!r} to train on its pairs"))
+                   for field, fmt in formats.items() if (fmt == preference) != bool(wanted)]
+        if not errors:
+            data.format = next(iter(formats.values()))  # type: ignore[assignment]
     elif len(set(formats.values())) > 1:
         errors.append(FieldError("data.validation", f"is a {formats['data.validation']} file but data.train is a "
                                                     f"{formats['data.train']} file"))
