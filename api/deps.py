@@ -11,6 +11,7 @@ from fastapi import Depends, Path, Request
 from api import reads
 from api.access import Principal, Scope
 from api.settings import ApiSettings, get_settings
+from contract.storage import StoreConfig
 from store.objects import Store
 
 
@@ -29,13 +30,13 @@ async def _redis_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> re
 
 
 @lru_cache
-def _store(url: str, endpoint: str | None) -> Store:
+def _store(config: StoreConfig) -> Store:
     # The process's one client of the store, for every route (obstore keeps its connections).
-    return Store(url, endpoint)
+    return Store(config)
 
 
 def store_of(settings: ApiSettings) -> Store:
-    return _store(settings.store_url, settings.s3_endpoint_url)
+    return _store(settings.store_config())
 
 
 async def _store_dep(settings: Annotated[ApiSettings, Depends(_settings)]) -> Store:

@@ -68,6 +68,7 @@ from typing import Any
 from contract.codes import EventKind
 from contract.deepspeed import ResolveLimits, resolve
 from contract.spec import JobSpec, RunPaths, RunSpec
+from contract.storage import StoreConfig
 from trainer.checkpoint import SYNC_UPLOAD_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,7 @@ def gpu_spec(work: Path, shape: str, steps: int, every: int, micro: int) -> RunS
     return run
 
 
-def run_mode(mode: str, base: RunSpec, work: Path, store: dict[str, Any] | None, gpus: int,
+def run_mode(mode: str, base: RunSpec, work: Path, store: StoreConfig | None, gpus: int,
              threads: int | None = None) -> list[dict[str, Any]]:
     job_dir = work / mode
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -109,7 +110,7 @@ def run_mode(mode: str, base: RunSpec, work: Path, store: dict[str, Any] | None,
     paths: dict[str, Any] = {"job_dir": str(job_dir), "checkpoint_dir": str(job_dir / "checkpoints"),
                              "output_dir": str(job_dir / "output")}
     if store is not None and mode != "local":
-        paths["store"] = {**store, "job_id": f"job_{uuid.uuid4().hex[:20]}"}
+        paths["store"] = {"config": store, "job_id": f"job_{uuid.uuid4().hex[:20]}"}
     spec = base.model_copy(update={"paths": RunPaths.model_validate(paths)})
     spec_file = job_dir / "spec.json"
     spec_file.write_text(spec.model_dump_json())
@@ -312,9 +313,9 @@ def main() -> None:
 
             os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
             server = S3Server(work)
-            store = {"url": f"s3://{server.bucket()}/bench", "endpoint": server.endpoint}
+            store = server.config(server.bucket(), "bench")
         else:
-            store = {"url": f"file://{store_root}", "endpoint": None}
+            store = StoreConfig(url=f"file://{store_root}")
         # In the order given: a device call cut off by its limit keeps the modes that ran first.
         modes = [m for m in a.modes.split(",") if m.partition("@")[0] in MODES]
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}

@@ -40,6 +40,7 @@ from typing import Any
 import psutil
 
 from bench.checkpoint_stall import demo_spec, run_mode
+from contract.storage import StoreConfig
 from store.objects import Store
 from trainer.uploader import Pending, Uploads
 
@@ -105,9 +106,9 @@ def main() -> None:
 
                 os.environ.update({k: os.environ.get(k, v) for k, v in CREDENTIALS.items()})
                 server = S3Server(work)
-                store = Store(f"s3://{server.bucket()}/bench", server.endpoint)
+                store = Store(server.config(server.bucket(), "bench"))
             else:
-                store = Store(f"file://{work / 'store'}")
+                store = Store(StoreConfig(url=f"file://{work / 'store'}"))
             try:
                 rows = commit_times(store, tag_dir, a.commits, server)[1:]
             finally:

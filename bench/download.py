@@ -31,6 +31,7 @@ from pathlib import Path
 import psycopg
 
 from bench.store_stack import store_stack
+from core.settings import SharedSettings
 from store.layout import output_prefix
 from store.objects import Store
 
@@ -69,7 +70,8 @@ def main() -> None:
         stack.wait_ready()
 
         # The export: written into the store as export_store.py writes it, and named in the job's row.
-        store = Store(env["FT_STORE_URL"], env.get("FT_S3_ENDPOINT_URL"))
+        store = Store(SharedSettings(store_url=env["FT_STORE_URL"],
+                                     s3_endpoint_url=env.get("FT_S3_ENDPOINT_URL")).store_config())
         source = base / "model.safetensors"
         with source.open("wb") as f:
             for _ in range(int(args.gb * 1e9) // (1 << 24)):

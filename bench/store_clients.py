@@ -31,9 +31,10 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def obstore_s3(src: Path, dst: Path, endpoint: str, bucket: str) -> tuple[float, float]:
+    from contract.storage import StoreConfig
     from store.objects import Store
 
-    store = Store(f"s3://{bucket}/obstore", endpoint)
+    store = Store(StoreConfig(url=f"s3://{bucket}/obstore", options={"endpoint": endpoint}))
     up = timed(lambda: store.put_file("big", src))
     down = timed(lambda: store.download("big", dst))
     return up, down
@@ -60,9 +61,10 @@ def s3fs_s3(src: Path, dst: Path, endpoint: str, bucket: str) -> tuple[float, fl
 
 
 def obstore_folder(src: Path, dst: Path, root: Path) -> tuple[float, float]:
+    from contract.storage import StoreConfig
     from store.objects import Store
 
-    store = Store(f"file://{root / 'obstore'}")
+    store = Store(StoreConfig(url=f"file://{root / 'obstore'}"))
     return timed(lambda: store.put_file("big", src)), timed(lambda: store.download("big", dst))
 
 

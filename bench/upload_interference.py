@@ -59,21 +59,23 @@ def training_step() -> Callable[[], float]:
 
 
 def upload_in_thread(blob: Path, done: threading.Event) -> None:
+    from contract.storage import StoreConfig
     from store.objects import Store
 
     def run() -> None:
         os.sched_setaffinity(threading.get_native_id(), {1})
-        Store(f"file://{STORE_DIR}").put_file("blob", blob)
+        Store(StoreConfig(url=f"file://{STORE_DIR}")).put_file("blob", blob)
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
 
 
 def upload_in_process(blob: Path, done: threading.Event) -> None:
+    from contract.storage import StoreConfig
     from store import push
     from store.objects import Store
 
-    proc = push.start(Store(f"file://{STORE_DIR}"), launcher=["taskset", "-c", "1"])
+    proc = push.start(Store(StoreConfig(url=f"file://{STORE_DIR}")), launcher=["taskset", "-c", "1"])
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"prefix": "", "source": str(blob.parent), "files": [blob.name]}) + "\n")
     proc.stdin.flush()

@@ -4,10 +4,14 @@ declared once and cannot drift between them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+import json
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from pydantic import SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from contract.storage import StoreConfig
 
 if TYPE_CHECKING:
     from store.objects import Store
@@ -30,9 +34,12 @@ class SharedSettings(BaseSettings):
     data_root: str = "./var/data"
     nvme_root: str = "/local_nvme"
     # The artifact store (store/): uploaded files and exports. file://<folder> on one machine; s3://<bucket>/<prefix>
-    # for a cluster, with the S3 server's URL (unset for AWS) and the standard AWS_* credentials.
+    # for a cluster, with the S3 server's URL (unset for AWS) and the standard AWS_* credentials. `store_config` is
+    # the one place these become the store's config.
     store_url: str = "file://./var/store"
-    s3_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = None  # the s3 backend's `endpoint` option
+    # The backend's own options, a JSON object (FT_STORE_OPTIONS='{"endpoint": "http://minio:9000"}').
+    store_options: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     # A worker renews its lease at least this often; after Redis lost its data, a live worker re-creates its lease
     # within one TTL, so the control plane counts no missing lease before then.
     lease_ttl_seconds: float = 10.0
@@ -48,15 +55,59 @@ class SharedSettings(BaseSettings):
     @field_validator("store_url")
     @classmethod
     def _store_url(cls, value: str) -> str:
-        if not value.startswith(("file://", "s3://")) or value in ("file://", "s3://"):
-            raise ValueError("the store is file://<folder> or s3://<bucket>/<prefix>")
+        from store.backends import BACKENDS, forms
+
+        scheme, sep, rest = value.partition("://")
+        if not (sep and rest and scheme in BACKENDS):
+            raise ValueError(f"the store is {forms()}")
         return value
 
+    @field_validator("store_options", mode="before")
+    @classmethod
+    def _store_options_json(cls, value: Any) -> Any:
+        # Decoded here rather than by the settings source, so bad JSON is one line naming the setting.
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
+
+    @field_validator("store_options")
+    @classmethod
+    def _store_options_known(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        from store.backends import BACKENDS, option_problem
+
+        url = info.data.get("store_url")  # absent where it was refused itself
+        if url is None:
+            return value
+        scheme = url.partition("://")[0]
+        if problem := option_problem(BACKENDS[scheme], scheme, value):
+            raise ValueError(problem)
+        endpoint = info.data.get("s3_endpoint_url")
+        if endpoint and value.get("endpoint", endpoint) != endpoint:
+            raise ValueError("names an endpoint other than FT_S3_ENDPOINT_URL's: set one of them")
+        return value
+
+    def store_config(self) -> StoreConfig:
+        """The artifact store these settings name, whole: FT_STORE_URL, the backend's options from FT_STORE_OPTIONS,
+        and FT_S3_ENDPOINT_URL as an s3 store's `endpoint` (a folder store has no use for it, so one environment may
+        carry it for either). The one place settings become a store config."""
+        return self._store_config
+
+    @cached_property
+    def _store_config(self) -> StoreConfig:
+        # Built once: the API asks for it on every request that reaches the store.
+        options = dict(self.store_options)
+        if self.s3_endpoint_url and self.store_url.startswith("s3://"):
+            options["endpoint"] = self.s3_endpoint_url
+        return StoreConfig(url=self.store_url, options=options)
+
     def store(self) -> Store:
-        """The artifact store these settings name."""
+        """A client of the artifact store these settings name."""
         from store.objects import Store
 
-        return Store(self.store_url, self.s3_endpoint_url)
+        return Store(self.store_config())
 
 
 class StoreSettings(SharedSettings):

@@ -1,6 +1,6 @@
-"""One client for the artifact store, on obstore (Rust's object_store): the same calls for a local folder and
-for S3, multipart uploads of streamed bytes that are aborted when the stream fails (nothing half-written is left
-or listed), ranged reads, and an async twin of each call for the API's event loop.
+"""One client for the artifact store, on obstore (Rust's object_store): the same calls for every backend (a local
+folder, S3: store/backends/), multipart uploads of streamed bytes that are aborted when the stream fails (nothing
+half-written is left or listed), ranged reads, and an async twin of each call for the API's event loop.
 
 Every upload goes through `put` or `put_async`, which hash the bytes on the way: the store's answer for a key is
 its size and SHA-256, computed once, here.
@@ -15,11 +15,12 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Se
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
-from obstore.store import LocalStore, S3Store
+
+from contract.storage import StoreConfig
+from store.backends import backend_for
 
 # Parts of a multipart upload, and a read's chunks: large enough for S3's minimum part (5 MiB) and throughput,
 # small enough that a process streaming many files holds little.
@@ -40,10 +41,6 @@ class TooLarge(Exception):
 
 class AlreadyExists(Exception):
     """A write made only where the key was free found it taken; nothing was written."""
-
-
-class BadURL(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -86,39 +83,16 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
 
 
 class Store:
-    """The store `url` names. `endpoint` is an S3 server's URL (FT_S3_ENDPOINT_URL): unset for AWS itself.
-    Credentials come from the standard AWS_* variables."""
+    """The store `config` names, its URL's scheme picking the backend (store/backends/); BadConfig where none can
+    open it. Nothing is contacted before the first call."""
 
-    def __init__(self, url: str, endpoint: str | None = None) -> None:
-        parsed = urlparse(url)
-        self.url, self.endpoint = url, endpoint
-        if parsed.scheme == "file":
-            root = Path(parsed.netloc + parsed.path).resolve()
-            self._store: Any = LocalStore(root, mkdir=True)
-            self.where = str(root)
-            # Reads of a folder store open the file itself: obstore's streamed local reads are several times
-            # slower than a plain read, and a download is bounded by hashing anyway.
-            self._root: Path | None = root
-        elif parsed.scheme == "s3":
-            if not parsed.netloc:
-                raise BadURL(f"{url!r} names no bucket: s3://<bucket>/<prefix>")
-            options: dict[str, Any] = {}
-            config: dict[str, Any] = {}
-            if endpoint:
-                config["endpoint"] = endpoint
-                if endpoint.startswith("http://"):
-                    options["allow_http"] = True
-            prefix = parsed.path.strip("/") or None
-            self._store = S3Store(parsed.netloc, prefix=prefix, client_options=options or None, **config)
-            self.where = url
-            self._root = None
-        else:
-            raise BadURL(f"{url!r}: the store is file://<folder> or s3://<bucket>/<prefix>")
-
-    @property
-    def absolute_url(self) -> str:
-        """The URL another process names this store by from any folder: a relative file:// one resolved."""
-        return f"file://{self.where}" if isinstance(self._store, LocalStore) else self.url
+    def __init__(self, config: StoreConfig) -> None:
+        opened = backend_for(config).build(config)
+        self._store: Any = opened.store
+        self.where = opened.where  # for messages
+        self._root = opened.root
+        # What another process is given to open this same store from any folder (store/push.py, the run spec).
+        self.config = config.model_copy(update={"url": opened.url})
 
     def __repr__(self) -> str:
         return f"Store({self.where!r})"
@@ -298,7 +272,3 @@ class _CountedAsync:
         async for chunk in self._chunks:
             self.total += len(chunk)
             yield chunk
-
-
-def open_store(url: str, endpoint: str | None = None) -> Store:
-    return Store(url, endpoint)

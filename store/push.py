@@ -1,4 +1,4 @@
-"""`python -m store.push --store URL [--endpoint URL]`: uploads files to the store in a process of its own, for a
+"""`python -m store.push --store CONFIG`: uploads files to the store in a process of its own, for a
 caller that must not share its interpreter with the upload, one request at a time for as long as the caller keeps
 it.
 
@@ -14,6 +14,8 @@ mid-upload or not.
 stdout, per request: one JSON line per file once it is stored, `{"path", "key", "bytes", "sha256"}` in the order
 given, `{"failing": "<error>"}` each time a try fails (retried with backoff until it succeeds or the caller ends
 this process), then `{"done": 0}`, or `{"done": 3}` where a file is not in DIR (waiting cannot bring it back).
+
+CONFIG is the store's config as JSON (contract/storage.py `StoreConfig`): `{"url": ..., "options": {...}}`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from contract.storage import StoreConfig
 from store.checkpoints import sleep_backoff
 from store.objects import Store, StoreError, error_line
 
@@ -39,9 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the project, which the process 
 def start(store: Store, launcher: Sequence[str] = ()) -> subprocess.Popen[str]:
     """This program as a child process uploading to `store`, its pipes open (text); `launcher` goes before the
     interpreter (`taskset -c 1`, say)."""
-    argv = [*launcher, sys.executable, "-m", "store.push", "--store", store.absolute_url]
-    if store.endpoint:
-        argv += ["--endpoint", store.endpoint]
+    argv = [*launcher, sys.executable, "-m", "store.push", "--store", store.config.model_dump_json()]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": path})
@@ -81,10 +82,10 @@ def upload(store: Store, prefix: str, source: Path, files: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m store.push", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True, help="the store's URL (file://… or s3://bucket/prefix)")
-    p.add_argument("--endpoint", default=None, help="an S3 server's URL")
+    p.add_argument("--store", required=True, type=StoreConfig.model_validate_json,
+                   help='the store\'s config as JSON: {"url": "s3://bucket/prefix", "options": {"endpoint": ...}}')
     a = p.parse_args(argv)
-    store = Store(a.store, a.endpoint)
+    store = Store(a.store)
     pending: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_requests, args=(pending,), daemon=True).start()
     while True:

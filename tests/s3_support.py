@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
 
+from contract.storage import StoreConfig
+from core.settings import SharedSettings
 from tests.helpers import free_port, wait_for
 
 # Any credentials: the server accepts all; the service reads them from the standard variables.
@@ -61,6 +64,10 @@ class S3Server:
         """What a process of the service needs to use `bucket` as its store."""
         return {"FT_STORE_URL": f"s3://{bucket}/{prefix}", "FT_S3_ENDPOINT_URL": self.endpoint, **CREDENTIALS}
 
+    def config(self, bucket: str, prefix: str = "service") -> StoreConfig:
+        """The config of `bucket`'s store, as a process given `env(bucket, prefix)` builds it."""
+        return store_config(self.env(bucket, prefix))
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -69,3 +76,9 @@ class S3Server:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+def store_config(env: Mapping[str, str]) -> StoreConfig:
+    """The store config a process of the service builds from `env`'s store settings (core/settings.py)."""
+    return SharedSettings(store_url=env["FT_STORE_URL"], s3_endpoint_url=env.get("FT_S3_ENDPOINT_URL"),
+                          store_options=env.get("FT_STORE_OPTIONS", "")).store_config()

@@ -22,24 +22,25 @@ from typing import Any
 import httpx
 import pytest
 
+from contract.storage import StoreConfig
 from scripts.stack import ROOT
 from store import checkpoints as stored
 from store import layout
 from store.objects import Store
 from tests.conftest import create_key, job_spec
 from tests.helpers import events_of, free_port, job_processes, wait_for, wait_status
-from tests.s3_support import CREDENTIALS, S3Server
+from tests.s3_support import CREDENTIALS, S3Server, store_config
 from tests.trainer_support import corpus, launch, make_job, of, tiny_model, train_file, write_run_spec  # noqa: F401
 
 
 def store_of(env: dict[str, str]) -> Store:
     os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-    return Store(env["FT_STORE_URL"], env.get("FT_S3_ENDPOINT_URL"))
+    return Store(store_config(env))
 
 
-def with_store(spec_path: Path, url: str, endpoint: str, job_id: str) -> Path:
+def with_store(spec_path: Path, config: StoreConfig, job_id: str) -> Path:
     run = json.loads(spec_path.read_text())
-    run["paths"]["store"] = {"url": url, "endpoint": endpoint, "job_id": job_id}
+    run["paths"]["store"] = {"config": config.model_dump(), "job_id": job_id}
     spec_path.write_text(json.dumps(run))
     return spec_path
 
@@ -53,7 +54,7 @@ def test_training_goes_on_while_the_store_is_down_and_commits_once_it_is_back(
         store = store_of(env)
         job = make_job(tiny_model, train_file(tmp_path, corpus), hyperparameters={"max_steps": 12},
                        checkpointing={"every_steps": 4, "keep_last": 2})
-        spec = with_store(write_run_spec(tmp_path, job), env["FT_STORE_URL"], server.endpoint, "job_outage")
+        spec = with_store(write_run_spec(tmp_path, job), store_config(env), "job_outage")
         server.stop()
         seen: dict[str, Any] = {}
 
@@ -103,8 +104,8 @@ def test_a_store_still_down_at_the_end_costs_the_job_no_wait_and_leaves_no_uploa
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
     # Nothing listens there: every upload of the job fails.
-    spec = with_store(write_run_spec(tmp_path, job), "s3://bucket/p", f"http://127.0.0.1:{free_port()}",
-                      "job_never_stored")
+    nowhere = StoreConfig(url="s3://bucket/p", options={"endpoint": f"http://127.0.0.1:{free_port()}"})
+    spec = with_store(write_run_spec(tmp_path, job), nowhere, "job_never_stored")
     rc, events, tail = launch(spec)
     assert rc == 0, tail
     assert not of(events, "checkpoint"), "a checkpoint was committed with no store"

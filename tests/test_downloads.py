@@ -19,11 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from contract.storage import StoreConfig
 from store.layout import output_manifest_key, output_prefix
 from store.objects import Store
 from tests.conftest import create_key
 from tests.helpers import events_of, free_port, wait_for, wait_status
-from tests.s3_support import CREDENTIALS, S3Server
+from tests.s3_support import CREDENTIALS, S3Server, store_config
 from tests.serverpaths import on_server
 from tests.test_cli import ft_env
 
@@ -39,7 +40,7 @@ def store_for(env: dict[str, str]) -> Store:
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update({k: env[k] for k in CREDENTIALS})
     try:
-        return Store(env["FT_STORE_URL"], env["FT_S3_ENDPOINT_URL"])
+        return Store(store_config(env))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -318,7 +319,7 @@ def test_publish_uploads_every_file_then_the_manifest_and_a_cancel_leaves_no_man
     secret.write_text("not the export's")
     (out / "link.txt").symlink_to(secret)
     (out / "linked").symlink_to(tmp_path, target_is_directory=True)
-    store = Store(f"file://{tmp_path / 'store'}")
+    store = Store(StoreConfig(url=f"file://{tmp_path / 'store'}"))
     store.put_bytes(output_prefix("job_x") + "stale.bin", b"old")
     store.put_bytes(output_manifest_key("job_x"), b"{}")
     said: list[str] = []

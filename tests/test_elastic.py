@@ -138,9 +138,9 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     assert rc == 0, tail
     (tmp / "events-reference.json").write_text(json.dumps(reference))
 
-    env = s3.env(s3.bucket())
-    store, job_id = Store(env["FT_STORE_URL"], s3.endpoint), f"elastic-zero{stage}"
-    ref = {"url": env["FT_STORE_URL"], "endpoint": s3.endpoint, "job_id": job_id}
+    config = s3.config(s3.bucket())
+    store, job_id = Store(config), f"elastic-zero{stage}"
+    ref = {"config": config.model_dump(), "job_id": job_id}
     chain = Chain(stage, tmp, tmp / "host-a" / "job", reference, [], [], store=store, job_id=job_id)
     for attempt, (hosts, stop_at) in enumerate(HOSTS[stage], start=1):
         folders = [tmp / f"host-{h}" / "job" for h in hosts]

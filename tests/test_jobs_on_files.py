@@ -18,6 +18,7 @@ from scripts.stack import Stack
 from store.objects import Store
 from tests.conftest import create_key, job_spec
 from tests.helpers import events_of, wait_status
+from tests.s3_support import store_config
 from tests.test_files import checked, upload
 
 END = {"succeeded", "failed", "cancelled"}
@@ -35,7 +36,7 @@ def owner(stack: Stack, stack_env: dict[str, str]) -> Iterator[httpx.Client]:
 def store(stack_env: dict[str, str]) -> Store:
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
         os.environ.setdefault(var, stack_env[var])
-    return Store(stack_env["FT_STORE_URL"], stack_env["FT_S3_ENDPOINT_URL"])
+    return Store(store_config(stack_env))
 
 
 def processed(client: httpx.Client, content: bytes, fmt: str | None = None) -> str:

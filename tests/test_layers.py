@@ -1,8 +1,8 @@
 """The layout's rules, read from the code itself: which package may import which, where SQL may be written, and
 where a job status or event kind may be spelled as a string (docs/architecture.md).
 
-The layers, lowest first: contract (the torch-free names and job spec) and store (the artifact store's client)
-< core (settings, secrets, webhook rules) < db (every SQL statement) < api | controlplane | worker (the
+The layers, lowest first: contract (the torch-free names, job spec and store config) < store (the artifact store's
+client) < core (settings, secrets, webhook rules) < db (every SQL statement) < api | controlplane | worker (the
 processes); trainer runs under the DeepSpeed launcher and shares only the contract and the store.
 """
 
@@ -23,7 +23,7 @@ PACKAGES = ("contract", "store", "core", "db", "api", "controlplane", "worker", 
 # What each package may import of the project (itself always).
 ALLOWED = {
     "contract": set(),
-    "store": set(),
+    "store": {"contract"},
     "core": {"contract", "store"},
     "db": {"contract", "core"},
     "api": {"contract", "store", "core", "db"},

@@ -15,7 +15,11 @@ from typing import Any
 
 import pytest
 
+from contract.spec import RunPaths, StoreRef
+from contract.storage import StoreConfig
+from core.settings import SharedSettings, settings_or_exit
 from store import push
+from store.backends import BadConfig
 from store.cache import CacheFull, NodeCache
 from store.objects import Store, TooLarge
 from tests.helpers import free_port
@@ -34,11 +38,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 @pytest.fixture(params=["file", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
     if request.param == "file":
-        return Store(f"file://{tmp_path / 'store'}")
+        return Store(StoreConfig(url=f"file://{tmp_path / 'store'}"))
     server: S3Server = request.getfixturevalue("s3_server")
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    return Store(f"s3://{server.bucket()}/prefix", server.endpoint)
+    return Store(server.config(server.bucket(), "prefix"))
 
 
 def chunks(n: int, size: int = 1 << 20) -> Iterator[bytes]:
@@ -92,6 +96,74 @@ def test_a_batch_delete_removes_every_key_named_and_takes_missing_ones_as_gone(s
     store.delete_many([])
 
 
+def test_the_run_spec_carries_the_store_config_whole_and_the_trainer_opens_the_same_store(store: Store) -> None:
+    store.put_bytes("jobs/j/fences/attempt-1.json", b"{}")
+    ref = RunPaths(job_dir="/j", checkpoint_dir="/j/c", output_dir="/j/o",
+                   store=StoreRef(config=store.config, job_id="job_ref")).model_dump_json()
+    assert json.loads(ref)["store"]["config"] == store.config.model_dump()
+    carried = RunPaths.model_validate_json(ref).store
+    assert carried is not None and carried.config == store.config and hash(carried.config) == hash(store.config)
+    config = carried.config
+    assert Store(config).get_bytes("jobs/j/fences/attempt-1.json") == b"{}"
+
+
+def test_a_folder_store_is_named_absolutely_to_other_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = Store(StoreConfig(url="file://./var/store"))
+    assert store.config == StoreConfig(url=f"file://{tmp_path.resolve()}/var/store") and store.where.startswith("/")
+
+
+STORE_SETTINGS = ("FT_STORE_URL", "FT_S3_ENDPOINT_URL", "FT_STORE_OPTIONS")
+
+
+def test_the_settings_build_one_store_config_with_the_backends_options(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    for name in STORE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert SharedSettings().store_config() == StoreConfig(url="file://./var/store")
+    monkeypatch.setenv("FT_STORE_URL", "s3://bucket/prefix")
+    monkeypatch.setenv("FT_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert SharedSettings().store_config() == StoreConfig(url="s3://bucket/prefix",
+                                                          options={"endpoint": "http://127.0.0.1:9000"})
+    monkeypatch.setenv("FT_STORE_URL", f"file://{tmp_path}")  # one environment for either kind of store
+    assert SharedSettings().store_config() == StoreConfig(url=f"file://{tmp_path}")
+    monkeypatch.setenv("FT_STORE_URL", "s3://bucket/prefix")
+    monkeypatch.delenv("FT_S3_ENDPOINT_URL")
+    monkeypatch.setenv("FT_STORE_OPTIONS", '{"endpoint": "http://minio:9000"}')
+    assert SharedSettings().store_config().options == {"endpoint": "http://minio:9000"}
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"FT_STORE_URL": "gs://bucket/prefix"}, "FT_STORE_URL: the store is file://<folder> or s3://<bucket>/<prefix>"),
+    ({"FT_STORE_URL": "s3://"}, "FT_STORE_URL: the store is file://<folder> or s3://<bucket>/<prefix>"),
+    ({"FT_STORE_URL": "s3://b/p", "FT_STORE_OPTIONS": '{"endpont": "http://minio:9000"}'},
+     "FT_STORE_OPTIONS: the s3:// store takes no option 'endpont' (its options: endpoint)"),
+    ({"FT_STORE_URL": "file:///srv/store", "FT_STORE_OPTIONS": '{"endpoint": "http://minio:9000"}'},
+     "FT_STORE_OPTIONS: the file:// store takes no option 'endpoint' (its options: none)"),
+    ({"FT_STORE_URL": "s3://b/p", "FT_STORE_OPTIONS": "{endpoint"}, "FT_STORE_OPTIONS: not a JSON object"),
+    ({"FT_STORE_URL": "s3://b/p", "FT_STORE_OPTIONS": '{"endpoint": "http://a:9000"}',
+      "FT_S3_ENDPOINT_URL": "http://b:9000"}, "FT_STORE_OPTIONS: names an endpoint other than FT_S3_ENDPOINT_URL's"),
+], ids=["scheme", "no-bucket-or-folder", "option", "folder-option", "json", "two-endpoints"])
+def test_store_settings_no_backend_takes_stop_the_process_naming_the_setting(
+        env: dict[str, str], said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in STORE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stopped:
+        settings_or_exit(SharedSettings, "API")
+    assert said in str(stopped.value)
+
+
+def test_a_config_no_backend_can_open_is_refused_before_anything_is_contacted() -> None:
+    with pytest.raises(BadConfig, match=r"^'gs://b/p': the store is file://<folder> or s3://<bucket>/<prefix>$"):
+        Store(StoreConfig(url="gs://b/p"))
+    with pytest.raises(BadConfig, match=r"^'s3:///p' names no bucket: s3://<bucket>/<prefix>$"):
+        Store(StoreConfig(url="s3:///p"))
+    with pytest.raises(BadConfig, match="takes no option 'region'"):
+        Store(StoreConfig(url="s3://b/p", options={"region": "eu-west-1"}))
+
+
 def _put(store: Store, key: str, data: bytes) -> str:
     return store.put_bytes(key, data).sha256
 
@@ -130,17 +202,18 @@ def test_the_cache_downloads_once_keeps_what_jobs_hold_and_evicts_the_least_rece
 FETCH = """
 import sys
 from pathlib import Path
+from contract.storage import StoreConfig
 from store.cache import NodeCache
 from store.objects import Store
-store = Store(sys.argv[1], sys.argv[2] or None)
-path, hold = NodeCache(Path(sys.argv[3]), 1 << 30).hold(store, "files/big", sys.argv[4], int(sys.argv[5]))
+store = Store(StoreConfig.model_validate_json(sys.argv[1]))
+path, hold = NodeCache(Path(sys.argv[2]), 1 << 30).hold(store, "files/big", sys.argv[3], int(sys.argv[4]))
 print(path.stat().st_ino)
 """
 
 
 def test_two_slots_fetching_the_same_object_at_once_download_it_once(store: Store, tmp_path: Path) -> None:
     stored = store.put("files/big", chunks(16))
-    argv = [sys.executable, "-c", FETCH, store.url, store.endpoint or "", str(tmp_path / "cache"), stored.sha256,
+    argv = [sys.executable, "-c", FETCH, store.config.model_dump_json(), str(tmp_path / "cache"), stored.sha256,
             str(stored.bytes)]
     procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     inodes = {p.communicate(timeout=120)[0].strip() for p in procs}
@@ -187,7 +260,7 @@ def test_the_push_process_reports_each_file_it_stored_request_after_request(stor
 def test_the_push_process_retries_a_store_it_cannot_reach_and_ends_when_its_caller_does(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
     port = free_port()  # nothing listens there
-    proc = push.start(Store("s3://bucket/p", f"http://127.0.0.1:{port}"))
+    proc = push.start(Store(StoreConfig(url="s3://bucket/p", options={"endpoint": f"http://127.0.0.1:{port}"})))
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps({"prefix": "k/", "source": str(tmp_path), "files": ["f"]}) + "\n")
     proc.stdin.flush()

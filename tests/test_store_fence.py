@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from contract.storage import StoreConfig
 from store import checkpoints as stored
 from store import layout
 from store.objects import AlreadyExists, Store
@@ -26,12 +27,12 @@ JOB = "job_fenced"
 @pytest.fixture(params=["file", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
     if request.param == "file":
-        yield Store(f"file://{tmp_path / 'store'}")
+        yield Store(StoreConfig(url=f"file://{tmp_path / 'store'}"))
         return
     server: S3Server = request.getfixturevalue("s3")
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
-    yield Store(f"s3://{server.bucket()}/prefix", server.endpoint)
+    yield Store(server.config(server.bucket(), "prefix"))
 
 
 def committed(store: Store, attempt: int, step: int) -> stored.Manifest:

@@ -27,7 +27,7 @@ from tests import netns_support
 from tests.conftest import PG, create_key
 from tests.helpers import events_of, free_port, wait_for, wait_no_processes, wait_status
 from tests.outage_support import PrivateRedis
-from tests.s3_support import S3Server
+from tests.s3_support import S3Server, store_config
 
 WHY_NOT = netns_support.available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
@@ -67,7 +67,7 @@ def cluster(network: netns_support.Network, roots: dict[str, Path],
     key = create_key(full, "default", "admin")
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
         os.environ.setdefault(var, env[var])
-    store = Store(env["FT_STORE_URL"], env["FT_S3_ENDPOINT_URL"])
+    store = Store(store_config(env))
     try:
         with httpx.Client(base_url=stack.api_url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as api:
             yield stack, api, store, env

@@ -81,7 +81,7 @@ class Uploads:
         if ref is None:
             return None  # run by hand: checkpoints stay on this disk, committed there as before
         placement = run_spec.placement
-        return cls(Store(ref.url, ref.endpoint), ref.job_id, run_spec.attempt, rank=rank,
+        return cls(Store(ref.config), ref.job_id, run_spec.attempt, rank=rank,
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                    node_rank=placement.node_rank if placement else 0,
                    num_nodes=placement.num_nodes if placement else 1)

@@ -208,7 +208,7 @@ class Attempt:
         # The contract, checked as the trainer will check it: a malformed message fails here, visibly.
         order = AttemptOrder.model_validate({**self.order, "attempt": self.attempt})
         spec = RunSpec(job=order.job, attempt=order.attempt, placement=order.placement, paths=node_paths(
-            self.job_dir, StoreRef(url=store.absolute_url, endpoint=self.settings.s3_endpoint_url, job_id=self.job_id)))
+            self.job_dir, StoreRef(config=store.config, job_id=self.job_id)))
         if self.restore_checkpoint(spec, store) is not None:
             return Outcome(Status.STALE)
         with ExitStack() as holds:
