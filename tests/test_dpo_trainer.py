@@ -1,0 +1,81 @@
+"""The preference method (method.type dpo) under the real `deepspeed` launcher on two CPU processes: it learns a rule
+the base model does not know, with either reference, packed and unpacked, and a stopped job resumes against the
+reference its checkpoint kept. The loss itself is proven equal to trl's in tests/test_preference_loss.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.preference_support import pairs, ranking_accuracy, write_pairs
+from tests.trainer_support import corpus, launch, make_job, of, stop_after_checkpoint, tiny_model, write_run_spec
+
+__all__ = ["corpus", "tiny_model"]
+
+HELD_OUT = pairs(100, seed=99)
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def dpo_job(model: Path, train: Path, **overrides: Any) -> dict[str, Any]:
+    """30 steps of 8 pairs (2 per micro batch, 2 ranks, accumulation 2), a fifth of the pairs held out and evaluated
+    every 10 steps, a checkpoint every 10."""
+    job = make_job(model, train, data={"format": "preference", "validation_fraction": 0.2},
+                   hyperparameters={"max_steps": 30, "learning_rate": 3e-3, "warmup_steps": 2, "global_batch_size": 8,
+                                    "micro_batch_size": 2, "seq_len": 64, "eval_every_steps": 10},
+                   method={"type": "dpo", "dpo": {"beta": 0.1}})
+    for key, value in overrides.items():
+        job[key] = {**job[key], **value} if isinstance(value, dict) and key in job else value
+    return job
+
+
+def check_learned(events: list[dict[str, Any]], tail: str, out: Path, base: Path) -> None:
+    assert not of(events, "error"), tail
+    started = of(events, "started")[0]
+    assert started["method"] == "dpo" and started["pairs"]["pairs_kept"] == 160, started
+    progress = of(events, "progress")
+    assert all(name in progress[-1] for name in METRICS), progress[-1]
+    # The first step's policy is the reference: every reward is 0, and the loss is log 2.
+    assert progress[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)
+    evals = of(events, "eval")
+    assert [e["step"] for e in evals] == [10, 20, 30], evals
+    assert evals[-1]["rewards/accuracies"] >= 0.9 and evals[-1]["rewards/margins"] > 0, evals[-1]
+    assert evals[-1]["loss"] < 0.5 < math.log(2), evals[-1]
+    # What a user loads: the export, in transformers, ranks pairs it never saw.
+    assert ranking_accuracy(base, HELD_OUT) <= 0.75
+    assert ranking_accuracy(out, HELD_OUT) >= 0.9
+
+
+def test_full_fine_tuning_learns_with_a_precomputed_reference_and_resumes_against_it(
+        tmp_path: Path, tiny_model: Path) -> None:
+    train = write_pairs(tmp_path / "pairs.jsonl", 200, seed=1)
+    job = dpo_job(tiny_model, train, checkpointing={"every_steps": 10, "keep_last": 2})
+    spec = write_run_spec(tmp_path, job)
+    rc, first, tail = launch(spec, on_event=stop_after_checkpoint(10))
+    assert rc != 0 and of(first, "interrupted"), tail
+    (started,) = of(first, "started")
+    assert started["reference"] == "precomputed"
+    kept = torch.load(tmp_path / "job" / "checkpoints" / "step-00000010" / "extras.pt", weights_only=True)
+    assert kept["train"].shape == (160, 2) and bool((kept["train"] < 0).all())
+    rc, events, tail = launch(spec)
+    assert rc == 0, tail
+    (resumed,) = of(events, "started")
+    assert resumed["resumed_from_step"] in (10, 11), resumed
+    check_learned(first + events, tail, tmp_path / "job" / "output", tiny_model)
+
+
+def test_lora_learns_against_its_base_with_adapters_off_unpacked(tmp_path: Path, tiny_model: Path) -> None:
+    train = write_pairs(tmp_path / "pairs.jsonl", 200, seed=1)
+    job = dpo_job(tiny_model, train, data={"packing": False},
+                  hyperparameters={"learning_rate": 1e-2},
+                  lora={"rank": 8, "alpha": 16, "target_modules": "all-linear", "merge_on_export": True},
+                  checkpointing={"every_steps": None})
+    rc, events, tail = launch(write_run_spec(tmp_path, job))
+    assert rc == 0, tail
+    (started,) = of(events, "started")
+    assert started["reference"] == "adapters_off" and started["n_trainable_params"] < started["n_params"] / 2
+    check_learned(events, tail, tmp_path / "job" / "output", tiny_model)
