@@ -50,6 +50,13 @@ class Method(str, enum.Enum):
     DPO = "dpo"
 
 
+# What a dpo job's progress and eval events carry beside `loss`, named as trl logs them: means over the step's (or
+# the held-out) pairs of beta · (policy − reference) log-probabilities, their difference, the share of pairs ranked
+# right, and the summed log-probabilities of each side.
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                      "logps/rejected")
+
+
 class EventKind(str, enum.Enum):
     """`job_events.type`: what an event of a job's log is. The trainer emits its own kinds (trainer/events.py),
     the worker adds `log` and `state`, the control plane `state` and `unreadable`."""

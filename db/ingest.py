@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contract.codes import TERMINAL_STATUSES, EventKind, JobStatus
+from contract.codes import PREFERENCE_METRICS, TERMINAL_STATUSES, EventKind, JobStatus
 from contract.protocol import EVENTS_STREAM, StateField
 from db import attempts, journal
 from db.models import Job, JobEvent
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # mfu, mfu_6n, mfu_attended: what each counts is in trainer/flops.py.
 PROGRESS_FIELDS = ("step", "total_steps", "epoch", "loss", "lr", "grad_norm", "tokens_per_second", "eta_seconds",
-                   "mfu", "mfu_6n", "mfu_attended", "peak_memory_bytes", "tokens_seen")
+                   "mfu", "mfu_6n", "mfu_attended", "peak_memory_bytes", "tokens_seen", *PREFERENCE_METRICS)
 
 
 def _now() -> datetime:

@@ -30,10 +30,12 @@ DEMO_JOB = ROOT / "examples" / "demo-job.json"
 
 
 def prepare_assets(model_root: Path, data_root: Path) -> None:
-    """The demo's model and data, made locally: the paths examples/demo-job.json names."""
+    """The demo's model and data, made locally: the paths examples/demo-job.json and examples/dpo-job.json name."""
+    from scripts.pairs import write_pairs
     from trainer.tiny import build_tiny_model
 
     train, _ = write_corpus(data_root / "demo")
+    write_pairs(data_root / "demo" / "pairs.jsonl", 200, seed=1, shape="openai")
     model_dir = model_root / "tiny-llama"
     if not (model_dir / "config.json").is_file():
         build_tiny_model(model_dir, train.read_text())

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from contract.codes import PREFERENCE_METRICS
 from tests.preference_support import pairs, ranking_accuracy, write_pairs
 from tests.trainer_support import corpus, launch, make_job, of, stop_after_checkpoint, tiny_model, write_run_spec
 
 __all__ = ["corpus", "tiny_model"]
 
 HELD_OUT = pairs(100, seed=99)
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+METRICS = PREFERENCE_METRICS
 
 
 def dpo_job(model: Path, train: Path, **overrides: Any) -> dict[str, Any]:
@@ -68,14 +68,20 @@ def test_full_fine_tuning_learns_with_a_precomputed_reference_and_resumes_agains
     check_learned(first + events, tail, tmp_path / "job" / "output", tiny_model)
 
 
-def test_lora_learns_against_its_base_with_adapters_off_unpacked(tmp_path: Path, tiny_model: Path) -> None:
+def test_lora_learns_against_its_base_with_adapters_off_unpacked_after_an_out_of_memory_step(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first forward fails as a device out of memory would (trainer/oom.py's seam): the on_oom ladder halves the
+    # micro batch and the job goes on with the same global batch of pairs.
+    monkeypatch.setenv("FT_TEST_FORCE_OOM", "forward:1")
     train = write_pairs(tmp_path / "pairs.jsonl", 200, seed=1)
-    job = dpo_job(tiny_model, train, data={"packing": False},
+    job = dpo_job(tiny_model, train, data={"packing": False}, resources={"on_oom": "adapt"},
                   hyperparameters={"learning_rate": 1e-2},
                   lora={"rank": 8, "alpha": 16, "target_modules": "all-linear", "merge_on_export": True},
                   checkpointing={"every_steps": None})
     rc, events, tail = launch(write_run_spec(tmp_path, job))
     assert rc == 0, tail
-    (started,) = of(events, "started")
+    started = of(events, "started")[-1]  # the try after the ladder's step
     assert started["reference"] == "adapters_off" and started["n_trainable_params"] < started["n_params"] / 2
+    (adapted,) = of(events, "adapted")
+    assert adapted["setting"]["micro_batch_size"] == 1 and started["micro_batch_size"] == 1, adapted
     check_learned(events, tail, tmp_path / "job" / "output", tiny_model)

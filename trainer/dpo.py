@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from contract.codes import PREFERENCE_METRICS
 from contract.spec import ResolvedJob, RunSpec
 from trainer import kernels
 from trainer.data import IGNORE, read_split
@@ -30,9 +31,7 @@ from trainer.errors import DataError
 from trainer.pairs import PairBlocks, encode_pairs, pack_pairs
 from trainer.preference import DpoLoss, dpo_loss, sequence_logps
 
-# The figures of a step or an eval, named as trl logs them; each is a mean over the pairs.
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+METRICS = PREFERENCE_METRICS
 ADAPTERS_OFF, PRECOMPUTED, NONE = "adapters_off", "precomputed", "none"
 
 
