@@ -49,6 +49,8 @@ def job_table(j: dict[str, Any]) -> Table:
         # The times, each labelled by its field's name without `_at`.
         *((f.removesuffix("_at"), j.get(f) or ("" if f == "created_at" else "-"))
           for f in ("created_at", "started_at", "finished_at"))]
+    if preference_text(p):
+        rows.append(("rewards", preference_text(p)))
     if j.get("checkpoints"):
         rows.append(("checkpoints", ", ".join(f"step {c['step']}" for c in j["checkpoints"])))
     if j.get("output"):
@@ -59,6 +61,14 @@ def job_table(j: dict[str, Any]) -> Table:
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def preference_text(figures: dict[str, Any]) -> str:
+    """A dpo job's reward figures (trl's names) as one phrase; empty for a supervised job's."""
+    accuracy, margin = figures.get("rewards/accuracies"), figures.get("rewards/margins")
+    if accuracy is None and margin is None:
+        return ""
+    return f"accuracy {num(accuracy, '.3f')}, margin {num(margin, '.4f')}"
 
 
 def eta(seconds: Any) -> str:
@@ -101,7 +111,9 @@ class Watch:
         elif kind == EventKind.STATE:
             self.progress.update(self.task, status=e.get("status", ""))
         elif kind == EventKind.EVAL:
-            self.progress.console.print(f"eval at step {e.get('step')}: loss {num(e.get('loss'), '.4f')}")
+            figures = preference_text(e)
+            self.progress.console.print(f"eval at step {e.get('step')}: loss {num(e.get('loss'), '.4f')}"
+                                        + (f", {figures}" if figures else ""))
         elif kind == EventKind.CHECKPOINT and e.get("committed"):
             self.progress.console.print(f"checkpoint at step {e.get('step')} committed")
 

@@ -18,6 +18,7 @@ from scripts.stack import Stack
 from tests.conftest import create_key, job_spec
 from tests.helpers import events_of, wait_status
 from tests.preference_support import pairs, ranking_accuracy, write_pairs
+from tests.test_cli import ft, ft_env
 from tests.test_files import checked, upload
 
 END = {"succeeded", "failed", "cancelled"}
@@ -97,6 +98,14 @@ def test_sft_then_dpo_from_its_output_learns_the_preferred_answers(owner: httpx.
     # The job's own progress, as a dashboard polls it, carries the figures too.
     assert final["progress"]["rewards/accuracies"] == progress[-1]["rewards/accuracies"]
 
+    # `ft` shows the reward figures: in a job's table, and in each eval line of a watch (replayed from the start).
+    env = ft_env(str(owner.base_url), owner.headers["Authorization"].removeprefix("Bearer "))
+    shown = ft(env, "get", body["id"])
+    assert shown.returncode == 0 and "rewards" in shown.stdout and "accuracy" in shown.stdout, shown.stdout
+    watched = ft(env, "watch", body["id"])
+    assert watched.returncode == 0 and "eval at step 30: loss" in watched.stdout \
+        and "accuracy" in watched.stdout, watched.stdout
+
     base = download(owner, done["id"], tmp_path / "sft")
     tuned = download(owner, body["id"], tmp_path / "dpo")
     assert ranking_accuracy(base, HELD_OUT) <= 0.75
@@ -159,3 +168,11 @@ def test_a_file_of_malformed_pairs_is_refused_line_by_line_and_trains_nothing(ow
     r = owner.post("/jobs", json=job_spec(data={"train": found["id"], "validation": None}, method={"type": "dpo"},
                                           resources=PARKED))
     assert "validation found errors" in refused(r, "data.train")
+    # No pair at all, and a file of demonstrations declared as pairs: each refused by the same check.
+    blank = checked(owner, upload(owner, b"\n\n  \n", filename="blank.jsonl", fmt="preference").json()["id"])
+    assert blank["status"] == "error" and blank["errors"] == [{"line": None, "message": "is empty"}], blank
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    declared = checked(owner, upload(owner, (json.dumps(chat) + "\n").encode(), filename="c.jsonl",
+                                     fmt="preference").json()["id"])
+    assert declared["status"] == "error" and declared["errors"][0]["line"] == 1, declared
+    assert "chat example" in declared["errors"][0]["message"], declared

@@ -149,6 +149,7 @@ def test_list_curve_and_cancel(browser: Any, stack: Any, api: httpx.Client, admi
     assert seen["lines"]["series-loss"] == len(progress) and seen["lines"]["series-lr"] == len(progress)
     assert seen["empty"] == [] and seen["gaps"] == []
     assert browser.find_element(By.ID, "log").text.strip()
+    assert not browser.find_element(By.ID, "j-rewards").is_displayed()  # a supervised job has no reward figures
     # Each file of the export is linked; the link's own fetch, with the key, gets the file's bytes.
     listed = api.get(f"/jobs/{training}/output").json()["files"]
     links = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#j-output a.output-file"), 30, "output links")
