@@ -320,6 +320,10 @@ class DataSpec(_Strict):
     packing: StrictBool = True
 
 
+# A batch field's bound as the schema states it (`_positive_batch` checks it with its own message).
+_BATCH_OR_AUTO = [{"type": "integer", "minimum": 1, "maximum": MAX_BATCH}, {"const": "auto"}]
+
+
 class Hyperparameters(_Strict):
     max_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     epochs: StrictFloat = Field(default=1.0, gt=0, le=1000)
@@ -333,12 +337,14 @@ class Hyperparameters(_Strict):
     global_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH, description=(
         "Rows (packed sequences of seq_len tokens, or one example each without packing) per optimizer step. Data "
         "that makes fewer rows runs with the global batch clamped to what it makes, said in a `resolved` event"))
-    examples_per_step: int | Literal["auto"] | None = Field(default=None, description=(
+    examples_per_step: Annotated[int | Literal["auto"] | None, WithJsonSchema(
+        {"anyOf": [*_BATCH_OR_AUTO, {"type": "null"}]})] = Field(default=None, description=(
         f"Examples per optimizer step (what OpenAI's batch_size counts), 1 to {MAX_BATCH} or \"auto\" (about 0.2% "
         f"of the training examples, 1 to {MAX_AUTO_EXAMPLES_PER_STEP}). When set the trainer chooses "
         "global_batch_size from the data's token counts (the rows that many examples pack into) and says so in a "
         "`resolved` event; global_batch_size may not be given as well"))
-    micro_batch_size: int | Literal["auto"] = Field(default="auto", description=f'1 to {MAX_BATCH}, or "auto"')
+    micro_batch_size: Annotated[int | Literal["auto"], WithJsonSchema({"anyOf": _BATCH_OR_AUTO})] = Field(
+        default="auto", description=f'1 to {MAX_BATCH}, or "auto"')
     seq_len: int = Field(default=2048, ge=8, le=131_072)
     seed: int = Field(default=42, ge=0, le=MAX_SEED, description="0 to 2**32 - 1 (what numpy accepts)")
     eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
@@ -500,6 +506,18 @@ class MethodSpec(_Strict):
         return self
 
 
+def _method_schema() -> dict[str, Any]:
+    """MethodSpec as the schema states it: each type with only its own settings, so a generated request that the
+    schema allows is one the validator accepts (a dpo object on a supervised job is refused)."""
+    dpo = DpoSpec.model_json_schema()
+    return {"description": MethodSpec.__doc__, "oneOf": [
+        {"type": "object", "title": "Supervised", "additionalProperties": False,
+         "properties": {"type": {"const": Method.SUPERVISED.value}, "dpo": {"type": "null"}}},
+        {"type": "object", "title": "Dpo", "additionalProperties": False, "required": ["type"],
+         "properties": {"type": {"const": Method.DPO.value},
+                        "dpo": {"anyOf": [{**dpo, "title": "DpoSpec"}, {"type": "null"}]}}}]}
+
+
 class Shown(_Strict):
     """The fields of a request that every job response shows as they were sent: api/schemas.py's JobSummary takes
     them from here, and db/reads.py's SUMMARY_FIELDS names their columns (CONTRIBUTING.md)."""
@@ -525,7 +543,7 @@ class JobSpec(Shown):
     checkpointing: Checkpointing = Field(default_factory=Checkpointing)
     lora: LoraSpec | None = None
     notifications: Notifications | None = None
-    method: MethodSpec = Field(default_factory=MethodSpec)
+    method: Annotated[MethodSpec, WithJsonSchema(_method_schema())] = Field(default_factory=MethodSpec)
 
     @field_validator("model", mode="before")
     @classmethod

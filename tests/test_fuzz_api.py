@@ -240,10 +240,12 @@ def lost_on_the_wire(case: schemathesis.Case) -> bool:
 
 # -- the schema says what the server enforces --
 
-# Rules of a job no JSON schema can state: between fields (the batch arithmetic, pipeline and offload rules) and
-# about the cluster. A schema-valid job may get a 422 naming one of these, and only these.
+# Rules of a job no JSON schema can state: between fields (the batch arithmetic, pipeline and offload rules, what a
+# training method asks of the data format and the rest of the job) and about the cluster. A schema-valid job may get
+# a 422 naming one of these, and only these.
 CROSS_FIELD = ("hyperparameters.", "deepspeed.", "resources.pipeline_stages", "resources.num_gpus",
-               "resources.num_nodes", "lora", "data.validation_fraction", "model.trust_remote_code")
+               "resources.num_nodes", "lora", "data.validation_fraction", "model.trust_remote_code", "data.format",
+               "method.dpo.reference")
 
 
 @pytest.fixture(scope="module")
