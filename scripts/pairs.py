@@ -39,5 +39,6 @@ def pairs(n: int, seed: int, shape: str = "trl") -> list[dict[str, Any]]:
 
 
 def write_pairs(path: Path, n: int, seed: int, shape: str = "trl") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs(n, seed, shape)))
     return path
