@@ -633,10 +633,9 @@ def figure_post(svc: Service, tool: LoadTool, plan: Plan, figures: Figures) -> N
 # ------------------------------------------------------------------------------------------ figure 3
 
 SEED_SQL = """
-INSERT INTO jobs (id, name, status, attempt, queue, request, resolved, job_dir, progress, error, checkpoints,
+INSERT INTO jobs (id, name, status, attempt, queue, request, resolved, progress, error, checkpoints,
                   output, metadata, event_seq, created_at, updated_at, dispatched_at, started_at, finished_at)
-SELECT s.id, 'bench-seed', s.status, 1, t.queue, t.request, t.resolved, replace(t.job_dir, t.id, s.id),
-       t.progress, CASE WHEN s.status = 'failed' THEN '{"code": "trainer_error", "message": "seeded"}'::jsonb END,
+SELECT s.id, 'bench-seed', s.status, 1, t.queue, t.request, t.resolved, t.progress, CASE WHEN s.status = 'failed' THEN '{"code": "trainer_error", "message": "seeded"}'::jsonb END,
        '[]'::jsonb, NULL, t.metadata, 1, s.at, s.at,
        s.at, -- dispatched: the control plane must not send the seeded queued jobs
        CASE WHEN s.status <> 'queued' THEN s.at + interval '20 seconds' END,
