@@ -31,7 +31,6 @@ from db.errors import NotFound
 router = APIRouter(prefix=f"{PREFIX}/fine_tuning/jobs", tags=["openai: fine-tuning"], route_class=StrictJSONRoute,
                    responses=responses(400, 401, 403, 404, 503))
 READ, WRITE = scoped(Scope.JOBS_READ), scoped(Scope.JOBS_WRITE)
-MAX_SEQ = 2**31 - 1
 # Raw output lines are the native log's (GET /jobs/{id}/logs), not OpenAI events.
 LEFT_OUT = [EventKind.LOG.value]
 Limit = Annotated[int, Query(ge=1, le=100)]
@@ -106,13 +105,13 @@ async def job_events(job_id: JobId, caller: CallerDep, limit: Limit = 20,
                          "job is a 404)"))] = None) -> dict[str, Any]:
     """The job's events, newest first, as OpenAI pages them (its output lines are at GET /jobs/{id}/logs)."""
     await _job(job_id, caller)
-    before = MAX_SEQ
+    before = names.MAX_SEQ
     if after is not None:
         seq = names.event_seq(after, job_id)
         if seq is None:
             raise not_this_job("after", f"{after!r} is an event id of another job than {job_id}; pass the last id "
                                         "of the previous page")
-        before = min(seq, MAX_SEQ)  # seq is an INTEGER: a larger id is after every event
+        before = min(seq, names.MAX_SEQ)  # seq is an INTEGER: a larger id is after every event
     rows, has_more = await store.events_newest_first(job_id, before=before, limit=limit, leave_out=LEFT_OUT)
     return {"object": "list", "data": [service.event_view(job_id, *r) for r in rows], "has_more": has_more}
 
@@ -132,9 +131,12 @@ async def job_checkpoints(job_id: JobId, caller: CallerDep, storage: StoreDep, l
             raise not_this_job("after", f"{after!r} is a checkpoint id of another job than {job_id}")
         manifests = [m for m in manifests if m.step < step]
     page, has_more = manifests[:limit], len(manifests) > limit
-    losses = await store.losses_at(job_id, [m.step for m in page])
+    steps = [m.step for m in page]
+    losses = await store.losses_at(job_id, steps)
+    figures = await service.dpo_figures_at(job_id, steps) if service.is_dpo(job) else {}
     lineage = (await store.lineage([job_id])).get(job_id)
-    data = [service.checkpoint_view(job, lineage, m, losses.get(m.step, (None, None))) for m in page]
+    data = [service.checkpoint_view(job, lineage, m, losses.get(m.step, (None, None)), figures.get(m.step, {}))
+            for m in page]
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 

@@ -9,6 +9,7 @@ import enum
 import json
 from typing import Annotated, Any
 
+from annotated_types import Le
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -21,8 +22,9 @@ from pydantic import (
 )
 
 from api.errors import ApiError, ErrorCode, invalid
+from contract.codes import Method as NativeMethod
 from contract.problems import FieldError
-from contract.spec import MAX_SEED, Hyperparameters, JobSpec, refuse_lax_integers
+from contract.spec import MAX_SEED, DpoSpec, Hyperparameters, JobSpec, refuse_lax_integers
 
 AUTO = "auto"
 # OpenAI's own bounds: a value past them is refused there too.
@@ -34,6 +36,8 @@ MIN_LR_MULTIPLIER = 1e-6
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+# OpenAI states no upper bound for beta; the trainer's is the one that holds (contract/spec.py DpoSpec.beta).
+MAX_BETA = next(float(m.le) for m in DpoSpec.model_fields["beta"].metadata if isinstance(m, Le))
 # The suffix is one part of a `:`-separated model name and of a URL path: no `:`, `/` or spaces.
 SUFFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -51,9 +55,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-def _auto_or(low: float, high: float, *, integer: bool) -> Any:
-    """`"auto"` or a number within OpenAI's bounds, refused with one message (a union's would give two)."""
+def _auto_or(low: float, high: float, *, integer: bool, above_low: bool = False) -> Any:
+    """`"auto"` or a number within OpenAI's bounds, refused with one message (a union's would give two);
+    `above_low`: `low` itself is refused too."""
     kind = "an integer" if integer else "a number"
+    span = f"above {low:g} and at most {high:g}" if above_low else f"from {low:g} to {high:g}"
 
     def check(value: Any) -> Any:
         if value == AUTO:
@@ -61,12 +67,13 @@ def _auto_or(low: float, high: float, *, integer: bool) -> Any:
         if integer and isinstance(value, float) and value.is_integer():
             value = int(value)  # JSON has one number type: 3.0 is the integer 3, as the schema's `integer` says
         number = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not number or not low <= value <= high:
-            raise ValueError(f'must be "auto" or {kind} from {low:g} to {high:g}, got {json.dumps(value)[:40]}')
+        if isinstance(value, bool) or not number or not (low < value if above_low else low <= value) \
+                or not value <= high:
+            raise ValueError(f'must be "auto" or {kind} {span}, got {json.dumps(value)[:40]}')
         return value
 
-    schema = {"anyOf": [{"const": AUTO}, {"type": "integer" if integer else "number", "minimum": low,
-                                          "maximum": high}]}
+    bound = {"exclusiveMinimum": low} if above_low else {"minimum": low}
+    schema = {"anyOf": [{"const": AUTO}, {"type": "integer" if integer else "number", **bound, "maximum": high}]}
     return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
 
 
@@ -76,19 +83,38 @@ class OpenAIHyperparameters(_Strict):
     learning_rate_multiplier: _auto_or(MIN_LR_MULTIPLIER, MAX_LR_MULTIPLIER, integer=False) = AUTO  # type: ignore[valid-type]
 
 
+class DpoHyperparameters(OpenAIHyperparameters):
+    beta: _auto_or(0, MAX_BETA, integer=False, above_low=True) = AUTO  # type: ignore[valid-type]
+
+
 class Supervised(_Strict):
     hyperparameters: OpenAIHyperparameters | None = None
 
 
+class Dpo(_Strict):
+    hyperparameters: DpoHyperparameters | None = None
+
+
+def _only_its_own(kind: MethodType) -> dict[str, Any]:
+    """The schema of a method of type `kind`: the other method's settings, if named, are null."""
+    others = {o.value: {"type": "null"} for o in (MethodType.SUPERVISED, MethodType.DPO) if o != kind}
+    return {"properties": {"type": {"const": kind.value}, **others}}
+
+
 class Method(_Strict):
-    # The schema states what is accepted; another of OpenAI's methods is refused by name, with why.
+    # The schema states what is accepted (chosen_hyperparameters refuses the rest by name, with why): one of the two
+    # methods, with its own settings and not the other's.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [_only_its_own(MethodType.SUPERVISED),
+                                                           _only_its_own(MethodType.DPO)]})
+
     type: Annotated[MethodType, WithJsonSchema({
-        "type": "string", "enum": [MethodType.SUPERVISED.value],
-        "description": "supervised; dpo and reinforcement are refused, naming method.type"})]
+        "type": "string", "enum": [MethodType.SUPERVISED.value, MethodType.DPO.value],
+        "description": "supervised or dpo; reinforcement is refused, naming method.type"})]
     supervised: Supervised | None = None
-    # Named so their refusal names `method.type`, not an unknown field.
-    dpo: dict[str, Any] | None = None
-    reinforcement: dict[str, Any] | None = None
+    dpo: Dpo | None = None
+    # Named so its refusal names `method.type`, not an unknown field.
+    reinforcement: Annotated[dict[str, Any] | None, WithJsonSchema({
+        "type": "null", "description": "reinforcement is refused, naming method.type"})] = None
 
 
 class FineTuningJobCreate(_Strict):
@@ -128,22 +154,38 @@ def bad_request(param: str, message: str) -> ApiError:
     return invalid([FieldError(param, message)])
 
 
+# OpenAI's methods this service trains, as the native contract names them (contract/codes.py Method).
+TRAINED = {MethodType.SUPERVISED: NativeMethod.SUPERVISED, MethodType.DPO: NativeMethod.DPO}
+
+
+def method_type(body: FineTuningJobCreate) -> MethodType:
+    return body.method.type if body.method is not None else MethodType.SUPERVISED
+
+
 def chosen_hyperparameters(body: FineTuningJobCreate) -> tuple[OpenAIHyperparameters, str]:
-    """The hyperparameters the body gives, and where it gives them (the param to name for their problems)."""
-    method = body.method
+    """The hyperparameters the body gives, and where it gives them (the param to name for their problems); a dpo
+    job's are DpoHyperparameters. Refuses what the service does not train before anything is looked up."""
+    method, kind = body.method, method_type(body)
     if body.integrations:
         raise bad_request("integrations", "integrations are not supported by this service; leave them out "
                                           "(metrics are in the job's events)")
-    if method is not None and method.type != MethodType.SUPERVISED:
-        raise bad_request("method.type", f"{method.type.value!r} fine-tuning is not supported by this service; "
-                                         f"only {MethodType.SUPERVISED.value!r} is")
-    under_method = method.supervised.hyperparameters if method and method.supervised else None
+    if kind not in TRAINED:
+        raise bad_request("method.type", f"{kind.value!r} fine-tuning is not supported by this service; only "
+                                         f"{' and '.join(repr(t.value) for t in TRAINED)} are")
+    for other in MethodType:
+        if other != kind and method is not None and getattr(method, other.value) is not None:
+            raise bad_request(f"method.{other.value}", f"holds the settings of method.type {other.value!r}; this "
+                                                       f"job's method.type is {kind.value!r}")
+    settings = getattr(method, kind.value) if method is not None else None
+    under_method = settings.hyperparameters if settings is not None else None
     if under_method is not None and body.hyperparameters is not None:
         raise bad_request("hyperparameters", "give the hyperparameters either at the top level or under "
-                                             "method.supervised, not both")
+                                             f"method.{kind.value}, not both")
     if under_method is not None:
-        return under_method, "method.supervised.hyperparameters"
-    return body.hyperparameters or OpenAIHyperparameters(), "hyperparameters"
+        return under_method, f"method.{kind.value}.hyperparameters"
+    top = body.hyperparameters or OpenAIHyperparameters()
+    # The top level has no beta: a dpo job given its hyperparameters there takes the default beta.
+    return (DpoHyperparameters(**top.model_dump()) if kind == MethodType.DPO else top), "hyperparameters"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -157,8 +199,9 @@ def parse_defaults(text: str) -> dict[str, Any]:
     return json.loads(text) if text.strip() else {}
 
 
-# The fields a /v1 job takes from its body; the defaults may not set them.
-FROM_THE_BODY = ("model", "name", "metadata", "data.train", "data.validation", "data.format")
+# The fields a /v1 job takes from its body; the defaults may not set them. (They may set method.dpo's other
+# settings, `loss` or `reference`, which a dpo job then takes; a supervised job ignores them.)
+FROM_THE_BODY = ("model", "name", "metadata", "data.train", "data.validation", "data.format", "method.type")
 
 
 def defaults_problem(text: str) -> str | None:
@@ -169,12 +212,14 @@ def defaults_problem(text: str) -> str | None:
         return f"is not JSON: {exc}"
     if not isinstance(found, dict):
         return "must be a JSON object: a partial job spec, as POST /jobs takes it"
-    data = found.get("data")
-    data_keys = {f"data.{k}" for k in data} if isinstance(data, dict) else set()
-    if any(k in found or k in data_keys for k in FROM_THE_BODY):
+    nested = {f"{top}.{k}" for top in ("data", "method") if isinstance(found.get(top), dict) for k in found[top]}
+    if any(k in found or k in nested for k in FROM_THE_BODY):
         return f"may not set {', '.join(FROM_THE_BODY)}: each /v1 job takes them from its body"
+    probe = _merge(found, {"model": "m", "data": {"train": "t"}})
+    if isinstance(found.get("method"), dict):
+        probe["method"] = {**found["method"], "type": NativeMethod.DPO.value}  # only a dpo job takes them
     try:
-        JobSpec.model_validate(_merge(found, {"model": "m", "data": {"train": "t"}}))
+        JobSpec.model_validate(probe)
     except ValidationError as exc:
         return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
     return None
@@ -202,12 +247,14 @@ def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, An
         hp["learning_rate"] = float(chosen.learning_rate_multiplier) * default_learning_rate(defaults)
     if body.seed is not None:
         hp["seed"] = body.seed
-    # The format is left out: a file's own (chat, for a chat file) is taken (api/services/inputs.py).
+    # The format is left out: a file's own (chat, for a chat file) is taken (api/services/inputs.py), which must be
+    # the method's (preference for dpo), or the submit refuses it naming the file.
     data: dict[str, Any] = {"train": body.training_file, "validation": body.validation_file}
     request = _merge(defaults, {"name": body.suffix or "", "model": model, "data": data, "hyperparameters": hp,
                                 "metadata": body.metadata or {}})
     # A deployment's default global batch counts rows, which this job's batch in examples replaces.
     request["hyperparameters"].pop("global_batch_size", None)
+    request["method"] = native_method(body, chosen, defaults)
     try:
         return JobSpec.model_validate(request), param
     except ValidationError as exc:
@@ -215,12 +262,25 @@ def native_spec(body: FineTuningJobCreate, *, model: str, defaults: dict[str, An
                                   str(e["msg"]).removeprefix("Value error, ")) for e in exc.errors()]) from None
 
 
+def native_method(body: FineTuningJobCreate, chosen: OpenAIHyperparameters, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The native `method` of the body's: its type, and for dpo the deployment's dpo settings with the body's beta
+    (`"auto"`: the deployment's beta, else the trainer's default)."""
+    kind = TRAINED[method_type(body)]
+    if kind != NativeMethod.DPO:
+        return {"type": kind.value}
+    dpo = dict((defaults.get("method") or {}).get("dpo") or {})
+    beta = chosen.beta if isinstance(chosen, DpoHyperparameters) else AUTO
+    if beta != AUTO:
+        dpo["beta"] = float(beta)
+    return {"type": kind.value, "dpo": dpo}
+
+
 # Native fields (as a native 422 names them) and the OpenAI params they come from.
 PARAMS = {"model.name_or_path": "model", "model": "model", "data.train": "training_file",
           "data.validation": "validation_file", "data.format": "training_file", "name": "suffix",
           "metadata": "metadata", "hyperparameters.seed": "seed"}
 HYPERPARAMETERS = {"hyperparameters.epochs": "n_epochs", "hyperparameters.examples_per_step": "batch_size",
-                   "hyperparameters.learning_rate": "learning_rate_multiplier"}
+                   "hyperparameters.learning_rate": "learning_rate_multiplier", "method.dpo.beta": "beta"}
 
 
 def openai_param(field: str, hyperparameters_param: str = "hyperparameters") -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from contract.openai import EventType, Level, OpenAIStatus
 
@@ -21,13 +21,22 @@ class FineTuningHyperparameters(BaseModel):
     learning_rate_multiplier: Auto | float = Field(description="The learning rate ÷ the deployment's default rate")
 
 
+class DpoHyperparameters(FineTuningHyperparameters):
+    beta: float = Field(description="The beta the job trains with (the service's default, 0.1, where auto)")
+
+
 class SupervisedMethod(BaseModel):
     hyperparameters: FineTuningHyperparameters
 
 
+class DpoMethod(BaseModel):
+    hyperparameters: DpoHyperparameters
+
+
 class FineTuningMethod(BaseModel):
-    type: Literal["supervised"]
-    supervised: SupervisedMethod
+    type: Literal["supervised", "dpo"]
+    supervised: SupervisedMethod | None = Field(default=None, description="A supervised job's; null for dpo")
+    dpo: DpoMethod | None = Field(default=None, description="A dpo job's; null for supervised")
 
 
 class FineTuningError(BaseModel):
@@ -82,6 +91,15 @@ class FineTuningJobEventList(BaseModel):
 
 
 class CheckpointMetrics(BaseModel):
+    # A dpo job's figures are trl's, keyed as trl logs them ("rewards/margins", "eval_rewards/margins"): names
+    # with a "/", which no field can have; the schema states them as further numbers.
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "description": "step, train_loss and valid_loss; for a dpo job also trl's reward figures at the step: "
+                       "rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, "
+                       "logps/rejected (training, the last reported at or before the step) and the same with "
+                       "eval_ (the evaluation at the step)"})
+    __pydantic_extra__: dict[str, float] = Field(init=False)
+
     step: float
     train_loss: float | None = None
     valid_loss: float | None = None

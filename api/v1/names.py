@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from contract.codes import EventKind, JobStatus
+from contract.codes import PREFERENCE_METRICS, EventKind, JobStatus
 from contract.openai import OpenAIStatus
 from contract.spec import is_job_id
 
@@ -36,6 +36,12 @@ def status(native: str) -> OpenAIStatus:
 
 
 METRIC_KINDS = (EventKind.PROGRESS, EventKind.EVAL)
+# A dpo job's figures beside its loss, named as trl logs them: a training step's bare, an evaluation's with
+# EVAL_PREFIX. OpenAI defines no DPO figures of its own, so /v1 shows trl's.
+DPO_FIGURES = PREFERENCE_METRICS
+EVAL_PREFIX = "eval_"
+# Event ids carry the event's seq, an INTEGER: a page from the newest event starts before this.
+MAX_SEQ = 2**31 - 1
 
 
 def fine_tuned_model(*, base: str, owner: str, suffix: str, job_id: str) -> str:

@@ -19,6 +19,7 @@ from api.settings import ApiSettings
 from api.v1 import hyperparameters as hp
 from api.v1 import names
 from contract.codes import EventKind, FailureCode, JobStatus
+from contract.codes import Method as NativeMethod
 from contract.openai import EventType, Level, OpenAIStatus
 from contract.protocol import StateField
 from contract.spec import checkpoint_name, checkpoint_ref, is_file_id, is_job_id
@@ -144,6 +145,20 @@ def _error(job: dict[str, Any]) -> dict[str, Any] | None:
             "param": "training_file" if code in [c.value for c in FILE_FAILURES] else None}
 
 
+def is_dpo(job: dict[str, Any]) -> bool:
+    return (job["resolved"]["spec"].get("method") or {}).get("type") == NativeMethod.DPO
+
+
+def method_view(spec: dict[str, Any], hyper: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `method` of a resolved spec: its type and its hyperparameters as resolved, a dpo job's beta too."""
+    method = spec.get("method") or {}  # a spec stored before methods existed is supervised
+    if method.get("type") == NativeMethod.DPO:
+        dpo = hp.MethodType.DPO.value
+        return {"type": dpo, dpo: {"hyperparameters": {**hyper, "beta": _number(method["dpo"]["beta"])}}}
+    supervised = hp.MethodType.SUPERVISED.value
+    return {"type": supervised, supervised: {"hyperparameters": hyper}}
+
+
 def view(job: dict[str, Any], lineage: store.Lineage | None, default_lr: float) -> dict[str, Any]:
     """A native job (db/reads.py JOB_JSON) as a FineTuningJob."""
     spec = job["resolved"]["spec"]
@@ -170,7 +185,7 @@ def view(job: dict[str, Any], lineage: store.Lineage | None, default_lr: float) 
         "fine_tuned_model": model_name(job, lineage) if succeeded else None,
         "organization_id": job["owner"], "training_file": job["request"]["data"]["train"],
         "validation_file": job["request"]["data"].get("validation"), "hyperparameters": hyper,
-        "method": {"type": hp.MethodType.SUPERVISED.value, "supervised": {"hyperparameters": hyper}},
+        "method": method_view(spec, hyper),
         "seed": resolved_hp["seed"], "trained_tokens": progress.get("tokens_seen") if succeeded else None,
         "estimated_finish": int(time.time() + float(progress["eta_seconds"])) if running else None,
         "error": _error(job), "result_files": [], "integrations": [], "metadata": job.get("metadata") or {},
@@ -192,6 +207,23 @@ STATE_MESSAGES = {JobStatus.QUEUED.value: "Fine-tuning job queued",
                   JobStatus.CANCELLED.value: "Fine-tuning job cancelled"}
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rewards(data: dict[str, Any]) -> str:
+    """A dpo step's ranking of its pairs, for the event's message (its `data` holds every figure)."""
+    accuracy, margin = data.get("rewards/accuracies"), data.get("rewards/margins")
+    if not (_is_number(accuracy) and _is_number(margin)):
+        return ""
+    return f", reward accuracy={accuracy:.2f}, reward margin={margin:.4f}"
+
+
+def dpo_figures(data: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """trl's figures of a progress or eval event's data, keyed `prefix` + trl's name."""
+    return {prefix + name: float(data[name]) for name in names.DPO_FIGURES if _is_number(data.get(name))}
+
+
 def _event_message(kind: str, data: dict[str, Any]) -> tuple[str, Level]:
     level = Level.INFO
     if kind == EventKind.STATE:
@@ -203,9 +235,9 @@ def _event_message(kind: str, data: dict[str, Any]) -> tuple[str, Level]:
         return message, level
     if kind == EventKind.PROGRESS:
         loss, step = data.get("loss"), f"Step {data.get('step')}/{data.get('total_steps')}"
-        return (f"{step}: training loss={loss:.4f}" if isinstance(loss, (int, float)) else step), level
+        return (f"{step}: training loss={loss:.4f}{_rewards(data)}" if _is_number(loss) else step), level
     if kind == EventKind.EVAL:
-        return f"Step {data.get('step')}: validation loss={data.get('loss')}", level
+        return f"Step {data.get('step')}: validation loss={data.get('loss')}{_rewards(data)}", level
     if kind == EventKind.CHECKPOINT:
         return f"Checkpoint created at step {data.get('step')}", level
     if kind == EventKind.STARTED:
@@ -230,9 +262,9 @@ def event_view(job_id: str, seq: int, kind: str, created_at: datetime, data: dic
     shown: dict[str, Any] = {}
     if kind == EventKind.PROGRESS:
         shown = {"step": data.get("step"), "total_steps": data.get("total_steps"), "train_loss": data.get("loss"),
-                 "learning_rate": data.get("lr"), "tokens_seen": data.get("tokens_seen")}
+                 "learning_rate": data.get("lr"), "tokens_seen": data.get("tokens_seen"), **dpo_figures(data)}
     elif kind == EventKind.EVAL:
-        shown = {"step": data.get("step"), "valid_loss": data.get("loss")}
+        shown = {"step": data.get("step"), "valid_loss": data.get("loss"), **dpo_figures(data, names.EVAL_PREFIX)}
     elif kind == EventKind.CHECKPOINT:
         shown = {"step": data.get("step")}
     elif kind == EventKind.STATE:
@@ -243,14 +275,51 @@ def event_view(job_id: str, seq: int, kind: str, created_at: datetime, data: dic
             "data": shown}
 
 
+# Every event kind but the figures' own, which their read leaves out.
+NOT_FIGURES = [k.value for k in EventKind if k not in names.METRIC_KINDS]
+FIGURES_PAGE = 500
+# How far back a checkpoint page reads for its steps' figures. A page's checkpoints are the newest kept ones, whose
+# steps lie within the job's last reports; a job that reported more since has its losses shown all the same
+# (db/finetuning.py losses_at) and its reward figures left out.
+MAX_FIGURE_EVENTS = 20_000
+
+
+async def dpo_figures_at(job_id: str, steps: list[int]) -> dict[int, dict[str, float]]:
+    """trl's figures at each step: a training step's as the training loss is taken (the last reported at or before
+    the step), and the evaluation's at the step, `eval_`-prefixed. Read newest first: an evaluation at a step
+    follows the step's report, so the search ends once every step has its training figures."""
+    found: dict[int, dict[str, float]] = {s: {} for s in steps}
+    train_left, eval_left = set(steps), set(steps)
+    before, read = names.MAX_SEQ, 0
+    while train_left and read < MAX_FIGURE_EVENTS:
+        rows, more = await store.events_newest_first(job_id, before=before, limit=FIGURES_PAGE,
+                                                     leave_out=NOT_FIGURES)
+        for _, kind, _, data in rows:
+            step = data.get("step")
+            if not isinstance(step, int):
+                continue
+            if kind == EventKind.PROGRESS:
+                for s in [s for s in train_left if step <= s]:
+                    found[s].update(dpo_figures(data))
+                    train_left.discard(s)
+            elif step in eval_left:
+                found[step].update(dpo_figures(data, names.EVAL_PREFIX))
+                eval_left.discard(step)
+        if not more or not rows:
+            break
+        before, read = rows[-1][0], read + len(rows)
+    return found
+
+
 def checkpoint_view(job: dict[str, Any], lineage: store.Lineage | None, manifest: stored.Manifest,
-                    losses: tuple[float | None, float | None]) -> dict[str, Any]:
+                    losses: tuple[float | None, float | None], figures: dict[str, float]) -> dict[str, Any]:
     train_loss, valid_loss = losses
     metrics: dict[str, Any] = {"step": manifest.step}
     if train_loss is not None:
         metrics["train_loss"] = train_loss
     if valid_loss is not None:
         metrics["valid_loss"] = valid_loss
+    metrics.update(figures)
     return {"id": names.checkpoint_id(job["id"], manifest.step), "object": "fine_tuning.job.checkpoint",
             "created_at": seconds(manifest.created_at), "step_number": manifest.step, "metrics": metrics,
             "fine_tuned_model_checkpoint": names.checkpoint_model(model_name(job, lineage), manifest.step),
