@@ -635,7 +635,8 @@ def figure_post(svc: Service, tool: LoadTool, plan: Plan, figures: Figures) -> N
 SEED_SQL = """
 INSERT INTO jobs (id, name, status, attempt, queue, request, resolved, progress, error, checkpoints,
                   output, metadata, event_seq, created_at, updated_at, dispatched_at, started_at, finished_at)
-SELECT s.id, 'bench-seed', s.status, 1, t.queue, t.request, t.resolved, t.progress, CASE WHEN s.status = 'failed' THEN '{"code": "trainer_error", "message": "seeded"}'::jsonb END,
+SELECT s.id, 'bench-seed', s.status, 1, t.queue, t.request, t.resolved, t.progress,
+       CASE WHEN s.status = 'failed' THEN '{"code": "trainer_error", "message": "seeded"}'::jsonb END,
        '[]'::jsonb, NULL, t.metadata, 1, s.at, s.at,
        s.at, -- dispatched: the control plane must not send the seeded queued jobs
        CASE WHEN s.status <> 'queued' THEN s.at + interval '20 seconds' END,

@@ -16,23 +16,30 @@ def ranking_accuracy(model_dir: Path, held_out: list[dict[str, Any]]) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer.data import IGNORE, encode_chat
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def logp(prompt: str, answer: str) -> float:
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([p + a])
+    def logp(prompt: str | list[dict[str, str]], answer: str) -> float:
+        # As the trainer renders a pair (trainer/pairs.py): a conversation through encode_chat, labels on the
+        # answer's turn; a string prompt and its answer tokenized apart.
+        if isinstance(prompt, list):
+            ids, labels = encode_chat(tokenizer, [*prompt, {"role": "assistant", "content": answer}])
+        else:
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            a = tokenizer(answer, add_special_tokens=False)["input_ids"]
+            ids, labels = p + a, [IGNORE] * len(p) + a
         with torch.no_grad():
-            logits = model(ids).logits[0, :-1].log_softmax(-1)
-        return float(sum(logits[len(p) - 1 + i, t] for i, t in enumerate(a)))
+            logits = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        return float(sum(logits[t - 1, ids[t]] for t in range(1, len(ids)) if labels[t] != IGNORE))
 
     right = 0
     for pair in held_out:
         if "prompt" in pair:
             prompt, good, bad = pair["prompt"], pair["chosen"], pair["rejected"]
         else:
-            prompt = pair["input"]["messages"][-1]["content"]
-            good, bad = (" " + pair[k][0]["content"] for k in ("preferred_output", "non_preferred_output"))
+            prompt = pair["input"]["messages"]
+            good, bad = (pair[k][0]["content"] for k in ("preferred_output", "non_preferred_output"))
         right += logp(prompt, good) > logp(prompt, bad)
     return right / len(held_out)

@@ -97,30 +97,6 @@ def test_metric_events_and_checkpoints_carry_the_reward_figures(owner: Owner, tr
     assert all(last[f"eval_{f}"] == evals[0][f"eval_{f}"] for f in FIGURES), (last, evals[0])
 
 
-def ranking_as_trained(model_dir: Path, held_out: list[dict[str, Any]]) -> float:
-    """`ranking_accuracy` with each answer scored where the job saw it: after the prompt as the trainer renders a
-    conversation (trainer/data.py encode_chat, whose assistant header both answers share)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.data import IGNORE, encode_chat
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def logp(messages: list[dict[str, str]]) -> float:
-        ids, labels = encode_chat(tokenizer, messages)
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
-        return float(sum(logits[i - 1, t] for i, t in enumerate(labels) if i and t != IGNORE))
-
-    right = 0
-    for pair in held_out:
-        prompt = pair["input"]["messages"]
-        right += logp(prompt + pair["preferred_output"]) > logp(prompt + pair["non_preferred_output"])
-    return right / len(held_out)
-
-
 def test_the_exported_model_ranks_pairs_it_never_saw(owner: Owner, trained: Any, roots: dict[str, Path],
                                                      tmp_path: Path) -> None:
     """Downloaded as a user downloads it (GET /jobs/{id}/output), loaded in transformers."""
@@ -132,15 +108,9 @@ def test_the_exported_model_ranks_pairs_it_never_saw(owner: Owner, trained: Any,
         (tmp_path / f["path"]).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f["path"]).write_bytes(got.content)
     base = roots["models"] / BASE
-    as_trained = (ranking_as_trained(base, HELD_OUT), ranking_as_trained(tmp_path, HELD_OUT))
-    assert as_trained[0] <= 0.75 and as_trained[1] >= 0.95, as_trained
-    # `ranking_accuracy` scores an OpenAI-shaped pair's answers after the bare prompt (" blue." after "Tell me a
-    # word (12):"), not in the rendering the job trained on: other tokens, which the rule must carry over to. That
-    # share moves with the session's tiny model (its tokenizer is trained on docstrings of whatever the session
-    # imported, scripts/corpus.py) and with the rate, not with the learning: 0.86 to 0.98 over two such models and
-    # 1 to 3 times this rate, each 1.0 as trained. So it is held to clearly above the base model here.
-    bare = (ranking_accuracy(base, HELD_OUT), ranking_accuracy(tmp_path, HELD_OUT))
-    assert bare[0] <= 0.75 and bare[1] >= 0.8, bare
+    # Each answer scored where the job saw it: after the prompt as the trainer renders the conversation.
+    ranked = (ranking_accuracy(base, HELD_OUT), ranking_accuracy(tmp_path, HELD_OUT))
+    assert ranked[0] <= 0.75 and ranked[1] >= 0.9, ranked
 
 
 def test_an_auto_beta_is_the_default_and_is_shown(owner: Owner, files: dict[str, str]) -> None:

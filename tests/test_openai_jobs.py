@@ -224,7 +224,7 @@ def param_of(exc: openai.APIStatusError) -> Any:
     ({"hyperparameters": {"learning_rate_multiplier": -1}}, "hyperparameters.learning_rate_multiplier"),
     ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 0}}}},
      "method.supervised.hyperparameters.batch_size"),
-    ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
+    ({"method": {"type": "dpo", "dpo": {}}}, "training_file"),  # a dpo job on a chat file
     ({"method": {"type": "reinforcement"}}, "method.type"),
     ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
     ({"model": f"ft:{BASE}:someone:x:job_{'0' * 20}"}, "model"),

@@ -70,6 +70,7 @@ def test_the_node_sdk_reads_the_v1_face_as_openais(stack: Stack, stack_env: dict
     assert errors["not_found"]["raised"] == "NotFoundError" and errors["not_found"]["status"] == 404
     assert errors["bad_param"] == {"raised": "BadRequestError", "status": 400,
                                    "param": "hyperparameters.n_epochs", "code": "invalid_request"}
-    assert errors["dpo"]["raised"] == "BadRequestError" and errors["dpo"]["param"] == "method.type"
+    # dpo on a chat file: the file's shape is the method's other one
+    assert errors["dpo"]["raised"] == "BadRequestError" and errors["dpo"]["param"] == "training_file"
     assert errors["cancel_ended"]["raised"] == "ConflictError" and errors["cancel_ended"]["status"] == 409
     assert errors["wrong_key"]["raised"] == "AuthenticationError" and errors["wrong_key"]["code"] == "invalid_api_key"
