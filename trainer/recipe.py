@@ -425,20 +425,25 @@ def _steps(session: Session, run: Try, guard: Guard, loop: Loop) -> None:
         label_tokens = int((train_blocks.labels[global_rows, 1:] != IGNORE).sum())
         real_tokens = int(train_blocks.real_tokens[global_rows].sum())
         loss_sum, lr = _optimizer_step(session, run, guard, loop, label_tokens)
-        state.step += 1
-        guard.step = state.step
-        if guard.active and state.step - loop.start_step >= oom.ADAPT_STEPS:
-            guard.active = False
-        state.tokens_seen += real_tokens
-        state.next_batch += 1
-        if state.next_batch >= order.batches_per_epoch:
-            state.epoch, state.next_batch = state.epoch + 1, 0
+        _advance(state, guard, loop, order, real_tokens)
         loss_total, stop_votes = _all_reduce_sum([float(loss_sum), float(session.stop.requested)], session.device)
         state.last_loss = loss_total / max(1, label_tokens)
         loop.progress.window_tokens += real_tokens
         loop.progress.window_pairs += float(loop.row_pairs[global_rows].sum())
         _report_progress_if_due(session, run, loop, lr)
         _between_steps(session, run, loop, stop_votes)
+
+
+def _advance(state: TrainerState, guard: Guard, loop: Loop, order: BatchOrder, real_tokens: int) -> None:
+    """After an optimizer step: the step, the ladder's window, the tokens seen and the next batch's place."""
+    state.step += 1
+    guard.step = state.step
+    if guard.active and state.step - loop.start_step >= oom.ADAPT_STEPS:
+        guard.active = False
+    state.tokens_seen += real_tokens
+    state.next_batch += 1
+    if state.next_batch >= order.batches_per_epoch:
+        state.epoch, state.next_batch = state.epoch + 1, 0
 
 
 def _preference_steps(session: Session, run: Try, guard: Guard, loop: Loop, pref: Preference) -> None:
@@ -458,14 +463,7 @@ def _preference_steps(session: Session, run: Try, guard: Guard, loop: Loop, pref
         sums = dpo.train_step(run.engine, blocks, order.micro_rows(state.epoch, state.next_batch, session.rank),
                               pref.reference, pref.loss, session.device, pairs=pairs, chosen_tokens=chosen_tokens,
                               accum=order.accum, world=order.world, on_boundary=at_boundary)
-        state.step += 1
-        guard.step = state.step
-        if guard.active and state.step - loop.start_step >= oom.ADAPT_STEPS:
-            guard.active = False
-        state.tokens_seen += real_tokens
-        state.next_batch += 1
-        if state.next_batch >= order.batches_per_epoch:
-            state.epoch, state.next_batch = state.epoch + 1, 0
+        _advance(state, guard, loop, order, real_tokens)
         figures, (stop_votes,) = dpo.figures(sums, pairs=pairs, chosen_tokens=chosen_tokens, cfg=pref.loss,
                                              device=session.device, extra=[float(session.stop.requested)])
         state.last_loss = figures.pop("loss")
