@@ -20,6 +20,7 @@ from tests.helpers import events_of, wait_status
 from tests.preference_support import pairs, ranking_accuracy, write_pairs
 from tests.test_cli import ft, ft_env
 from tests.test_files import checked, upload
+from tests.test_jobs_on_files import refused
 
 END = {"succeeded", "failed", "cancelled"}
 PARKED = {"queue": "dpo-parked"}  # no worker serves it: a submit is checked and nothing trains
@@ -48,13 +49,6 @@ def pair_file(owner: httpx.Client) -> str:
     assert found["stats"]["examples"] == 200 and set(found["stats"]["characters_per_side"]) == {
         "prompt", "chosen", "rejected"}
     return str(found["id"])
-
-
-def refused(r: httpx.Response, field: str) -> str:
-    assert r.status_code == 422, r.text
-    fields = {d["field"]: d["message"] for d in r.json()["error"]["details"]}
-    assert field in fields, fields
-    return fields[field]
 
 
 def download(client: httpx.Client, job_id: str, folder: Path) -> Path:
