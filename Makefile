@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo up worker migrate test lint compose-check clean
+.PHONY: install demo up worker migrate test lint compose-check clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ lint: install
 ## database, stack), and most of a test's time is waiting on processes it started, which the other overlaps.
 test: install lint
 	$(PY) -m pytest -p no:cacheprovider -n 2 --dist loadfile
+
+## A seeded chaos soak (docs/guarantees.md#the-soak): the stack on its own Postgres, Redis and store under a steady
+## workload while a nemesis faults every part of it for MINUTES; the same SEED replays the same faults; OVERLAP (0-1)
+## is the share of faults joined by a second one while they hold, and AT_ONCE (2 or more) the most that hold together.
+## It prints `violations: N` and fails when N > 0.
+MINUTES ?= 3
+SEED ?= 1
+OVERLAP ?= 0
+AT_ONCE ?= 2
+soak: install
+	$(PY) -m soak --minutes $(MINUTES) --seed $(SEED) --overlap $(OVERLAP) --at-once $(AT_ONCE)
 
 clean:
 	rm -rf var

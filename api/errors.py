@@ -237,11 +237,12 @@ def unavailable(what: str, path: str = "") -> JSONResponse:
                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}, path=path)
 
 
-def store_unavailable(exc: BaseException) -> ApiError:
-    """The artifact store could not be read (unreachable, or refusing): a 503 to retry, as for the database. The
-    store's own words stay in the log: they name its folder or its endpoint, which a client never sees."""
-    log.warning("the artifact store could not be read: %s", error_line(exc))
-    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be read; retry in "
+def store_unavailable(exc: BaseException, done: str = "read") -> ApiError:
+    """The artifact store could not be read or written (unreachable, or refusing): a 503 to retry, as for the
+    database. The store's own words stay in the log: they name its folder or its endpoint, which a client never
+    sees."""
+    log.warning("the artifact store could not be %s: %s", done, error_line(exc))
+    return ApiError(503, ErrorCode.UNAVAILABLE, f"the artifact store could not be {done}; retry in "
                     f"{RETRY_AFTER_SECONDS} s", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 

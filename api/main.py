@@ -16,6 +16,7 @@ from api import errors, heap, v1
 from api.access import Scope
 from api.guards import MAX_BODY_BYTES, OPEN_PATHS, BodyLimit, KeyAuth
 from api.metrics import Metrics
+from api.polls import JobPoll
 from api.routes import audit, checkpoints, files, health, jobs, keys, nodes, outputs, owners, ui, webhooks
 from api.settings import ApiSettings, api_settings_or_exit, get_settings
 from db import idempotency
@@ -80,6 +81,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(ui.router)  # the dashboard's page: keyless (OPEN_PATHS), each request it makes sends a key
     # The last one added runs first: the key and its scope are checked before the body is read at all.
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, routes=routes)
+    app.add_middleware(JobPoll, routes=routes)  # the dashboards' poll, once the key is checked (api/polls.py)
     app.add_middleware(KeyAuth, routes=routes, allow_anonymous=settings.allow_anonymous,
                        lenient_prefixes=(v1.PREFIX,))
     # Outermost: every answer is counted and timed, refusals included; it serves /metrics itself, keyless.

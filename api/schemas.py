@@ -18,13 +18,15 @@ from pydantic import (
 )
 
 from contract import codes, files
-from contract.spec import JobSpec, Shown, WebhookUrl, refuse_lax_integers
+from contract.protocol import NodeState
+from contract.spec import JobSpec, Shown, Text, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
 
 # A Literal, not the enum, so the OpenAPI schema lists the values inline as it always has.
 JobStatusName = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
 DeliveryStatusName = Literal[tuple(s.value for s in codes.DeliveryStatus)]  # type: ignore[valid-type]
+NodeStateName = Literal[tuple(s.value for s in NodeState)]  # type: ignore[valid-type]
 
 
 class Progress(BaseModel):
@@ -146,11 +148,15 @@ class Node(BaseModel):
     kind: str = Field(description="Device kind, e.g. h200 or cpu")
     queues: list[str] = Field(description="The job queues it serves")
     slots_total: int
-    slots_free: int = Field(description="0 while the node is lost or draining: it receives nothing then")
+    slots_free: int = Field(description="0 while the node is lost, draining or its disk full: it receives nothing then")
     jobs: list[NodeJob] = Field(description="Placed jobs that have not ended")
     jobs_max: int = Field(description="Jobs its worker runs at once")
     last_seen: datetime
-    state: Literal["up", "draining", "lost"]
+    disk_free_bytes: int | None = Field(description=(
+        "Room left on the disk of its job folders, as last announced; null where its worker could not read it"))
+    state: NodeStateName = Field(description=(
+        "up; draining: its worker is shutting down; disk_full: its disk has less room than the node's "
+        "FT_NODE_MIN_FREE_BYTES, so it takes no job until it has; lost: it stopped heartbeating"))
 
 
 class NodeList(BaseModel):
@@ -187,7 +193,7 @@ class KeyCreate(BaseModel):
     owner: str = Field(pattern=OWNER_PATTERN, description="The team or project the key acts for; its jobs' owner")
     scopes: list[ScopeName] = Field(min_length=1, max_length=3, description="jobs:read (list, read, events, logs), "
                                     "jobs:write (submit, cancel; implies jobs:read), admin (everything)")
-    name: str = Field(default="", max_length=200, description="What the key is for (shown in lists)")
+    name: Text = Field(default="", max_length=200, description="What the key is for (shown in lists)")
     expires_at: DateTime | None = Field(default=None, description=(
         "When the key stops working, in the future and at most 36600 days (100 years) away; null: never"))
 

@@ -27,7 +27,7 @@ from python_multipart.multipart import parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from api.access import Principal
-from api.errors import ApiError, ErrorCode, invalid
+from api.errors import ApiError, ErrorCode, invalid, store_unavailable
 from api.settings import ApiSettings
 from contract.files import FileFormat, FilePurpose
 from contract.problems import FieldError
@@ -250,8 +250,12 @@ async def _store(form: FormStream, store: Store, file_id: str, cap: int, max_fil
             if cap < max_file_bytes and limit is not None:
                 raise StoredBytesExceeded(owner, limit, used, None) from None
             raise too_large(max_file_bytes) from None
-        if cause is not exc:
-            raise cause from None
+        if failure:
+            raise cause from None  # the request's own fault, raised as-is or wrapped by the store
+        if isinstance(exc, Exception):
+            # The store refused or failed the write (a missing bucket, a part it lost): nothing was kept, and
+            # the client may send the same file again.
+            raise store_unavailable(exc, "written") from None
         raise
 
 

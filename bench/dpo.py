@@ -181,7 +181,7 @@ def ours_spec(a: argparse.Namespace, model_dir: Path, pairs: Path, work: Path) -
                             "micro_batch_size": a.micro_rows, "learning_rate": a.lr, "warmup_steps": 0,
                             "weight_decay": 0.0, "optimizer": a.optimizer},
         "method": {"type": "dpo", "dpo": {"beta": a.beta, "reference": "precomputed"}},
-        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "deepspeed": {"zero_stage": 2, "precision": "bf16", "activation_checkpointing": a.activation_checkpointing},
         "checkpointing": {"every_steps": None},
         "resources": {"num_gpus": 1},
     }
@@ -357,6 +357,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", type=int, default=5, help="warm-up steps excluded (N), both")
     p.add_argument("--limit", type=int, default=400, help="seconds per arm")
     p.add_argument("--optimizer", default="adamw", help="ours' hyperparameters.optimizer: adamw | adamw_bf16")
+    p.add_argument("--activation-checkpointing", action="store_true", help="ours: recompute each layer's activations")
     p.add_argument("--reload", action="store_true", help="ours: load the export with transformers and score pairs")
     p.add_argument("--work", default="/tmp/bench-dpo")
     p.add_argument("--out", default=None, help="append the JSON lines here too")

@@ -151,3 +151,13 @@ class FailureCode(str, enum.Enum):
     STORE_UNAVAILABLE = "store_unavailable"
     # Decided by the control plane (controlplane/reaper.py).
     WORKER_LOST = "worker_lost"
+
+
+class TrainerExit(enum.IntEnum):
+    """`python -m trainer`'s exit codes, as the worker reads them from its launcher."""
+
+    DONE = 0  # output_dir/COMPLETE written
+    FAILED = 1  # an `error` event says why
+    # Stopped by a SIGTERM (to any rank: the ranks vote at each step boundary) after the checkpoint they saved
+    # together; 128 + SIGTERM, as a shell shows a process that SIGTERM ended.
+    INTERRUPTED = 143

@@ -62,6 +62,13 @@ def gang_stop_key(job_id: str, attempt: int) -> str:
     return f"ft:job:{job_id}:stop:{attempt}"
 
 
+def gang_term_key(job_id: str, attempt: int) -> str:
+    """Why a part of a multi-node attempt sent its ranks SIGTERM ('released': its worker shuts down; or the time
+    limit), set before the signal: the other parts' ranks stop at the same step through their vote, and each part
+    reads here what that stop means for its own report."""
+    return f"ft:job:{job_id}:term:{attempt}"
+
+
 def rendezvous_key(job_id: str, attempt: int) -> str:
     """'addr:port' where node 0 of a multi-node attempt listens: the other nodes' launchers wait for it."""
     return f"ft:job:{job_id}:rendezvous:{attempt}"
@@ -106,4 +113,15 @@ class JobField(str, enum.Enum):
 
 
 ERROR_BODY = "error"  # the one key of every API error answer: {"error": {"code", "message", "field"}}
-NODE_STATE = "state"  # a node's field in GET /nodes: "up", "draining" or "lost"
+NODE_STATE = "state"  # a node's field in GET /nodes: a NodeState
+
+
+class NodeState(str, enum.Enum):
+    """A node's state in GET /nodes, as the control plane sees it; only an `up` node is placed on."""
+
+    UP = "up"
+    DRAINING = "draining"  # its worker is shutting down (a deploy): its jobs end there and are handed back
+    # The filesystem of its jobs' folders has less room than FT_NODE_MIN_FREE_BYTES (worker/node.py): placed on no
+    # more, and what it was sent but had not started goes back to the queue, until an announcement finds room.
+    DISK_FULL = "disk_full"
+    LOST = "lost"  # not seen for the grace period after its announcement expired: it receives nothing

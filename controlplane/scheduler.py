@@ -5,16 +5,18 @@ A pass, run by the dispatcher thread (controlplane/dispatcher.py) before it send
 1. copies the nodes' announcements from Redis (worker/node.py) into the `nodes` table, `last_seen` by the
    database's clock; only a node announcing now is placed on (one whose key just expired, as a frozen
    worker's does with its job's lease, is not lost yet but must not get that job back);
-2. takes back the placements on nodes gone (unseen for a lease TTL beyond the grace) or draining that no
-   worker started yet (no lease): such a job goes out again as its next attempt, so the old node, should it
-   come back, finds its message stale;
+2. takes back the placements on nodes gone (unseen for a lease TTL beyond the grace), draining or whose disk is
+   full that no worker started yet (no lease): such a job goes out again as its next attempt, so the old node,
+   should it come back, finds its message stale;
 3. places queued jobs, in order: higher `resources.priority` first (the `priority` column, read through the
    index ix_jobs_waiting); among equal priorities owners take turns (each owner's oldest, then each owner's
    second oldest, ...; within a round the owner whose last job was sent on the queue longest ago, or never,
    first), then the oldest first. A job goes
    to the live node of its queue with the fewest free slots that still fit it (best fit keeps large
-   holes for large jobs), on the lowest free devices. Its placement is committed; the dispatcher sends
-   it to that node's own queue only afterwards, so no message ever names slots Postgres does not hold.
+   holes for large jobs), on the lowest free devices; a node whose disk is full (its announcement says so,
+   worker/node.py) gets nothing until an announcement finds room again. Its placement is committed; the
+   dispatcher sends it to that node's own queue only afterwards, so no message ever names slots Postgres does
+   not hold.
 
 No starvation of large jobs, by reservation: the first job of a queue that does not fit reserves the
 node of its queue closest to fitting it, and no later job is placed on that node, so the node's slots
@@ -55,14 +57,25 @@ class NodeState:
     devices: list[str]
     queues: list[str]
     jobs_max: int
-    usable: bool  # announcing now and not draining
+    usable: bool  # announcing now, not draining, its disk not full
     addr: str = "127.0.0.1"
     # Unseen for a lease TTL beyond the grace: not a blip of Redis or of this control plane (which stop every
     # node's refresh at once) but a node that is gone. Only then are its unstarted placements taken back.
     gone: bool = False
+    # Announcing, not draining, and its disk full: what it was placed and has not started would fail there on its
+    # first write, so that goes back to the queue too (its worker hands back any it takes meanwhile).
+    disk_full: bool = False
     used: set[str] = field(default_factory=set)
     jobs: int = 0
     reserved_by: str | None = None
+
+    @classmethod
+    def of(cls, row: Any, announcing: bool) -> NodeState:
+        """The node as stored (db/placement.py `nodes`); `announcing`: its key is in Redis now."""
+        up = announcing and not row.draining
+        return cls(row.name, row.kind, row.slots, list(row.devices), list(row.queues), row.jobs_max,
+                   usable=up and not row.disk_full, addr=row.addr, gone=bool(row.gone) or row.draining,
+                   disk_full=up and bool(row.disk_full))
 
     @property
     def free(self) -> list[str]:
@@ -94,21 +107,36 @@ def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
     return out
 
 
+def take_back_reason(parts: list[dict[str, Any]], nodes: dict[str, NodeState]) -> str | None:
+    """Why a placed job that no worker started goes back to the queue (a node of its placement is gone, draining or
+    its disk full); None while every node of it may still start it."""
+    gone = [p["node"] for p in parts if p["node"] not in nodes or nodes[p["node"]].gone]
+    full = [p["node"] for p in parts if p["node"] not in gone and nodes[p["node"]].disk_full]
+    why = ([f"{', '.join(gone)}, which is gone or draining"] if gone else []) + (
+        [f"{', '.join(full)}, whose disk filled"] if full else [])
+    return f"placed on {' and '.join(why)} before it started the job" if why else None
+
+
 def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) -> str:
     serving = [n for n in nodes if queue in n.queues and n.usable]
+    full = sorted(n.name for n in nodes if queue in n.queues and n.disk_full)
+    if not serving and full:
+        return f"waiting for a node serving queue {queue} with room on its disk: the disk of {', '.join(full)} is full"
     if not serving:
         return f"waiting for a node serving queue {queue}: none is up"
+    # The queue's nodes that would count but for their full disk, named in whatever else the job waits for.
+    also = f" ({', '.join(full)}: disk full)" if full else ""
     kinds = "/".join(sorted({n.kind for n in serving}))
     big_enough = [n for n in serving if n.slots >= need]
     if len(big_enough) < count:
         biggest = max(n.slots for n in serving)
-        return (f"queue {queue} has {len(big_enough)} node(s) of at least {need} {kinds} slots (the largest has "
-                f"{biggest}); the job needs {count}: it waits for such nodes to join")
+        return (f"queue {queue} has {len(big_enough)} node(s) of at least {need} {kinds} slots{also} (the largest "
+                f"has {biggest}); the job needs {count}: it waits for such nodes to join")
     free = sorted((n.free_now for n in serving), reverse=True)
     if count == 1:
-        return f"waiting for {need} free {kinds} slots on queue {queue}; largest free: {free[0]}"
-    return (f"waiting for {count} nodes with {need} free {kinds} slots each on queue {queue}; free slots of its "
-            f"nodes: {', '.join(map(str, free))}")
+        return f"waiting for {need} free {kinds} slots on queue {queue}{also}; largest free: {free[0]}"
+    return (f"waiting for {count} nodes with {need} free {kinds} slots each on queue {queue}{also}; free slots of "
+            f"its nodes: {', '.join(map(str, free))}")
 
 
 class Scheduler:
@@ -125,9 +153,7 @@ class Scheduler:
             # blip of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job,
             # whose requeue would otherwise go straight back to the frozen node, costing the job an attempt.
             announcing = store.refresh_nodes(session, announced)
-            nodes = {row.name: NodeState(row.name, row.kind, row.slots, list(row.devices), list(row.queues),
-                                         row.jobs_max, row.name in announcing and not row.draining, row.addr,
-                                         bool(row.gone) or row.draining)
+            nodes = {row.name: NodeState.of(row, row.name in announcing)
                      for row in store.nodes(session, gone_seconds=self.settings.lease_grace_seconds
                                             + self.settings.lease_ttl_seconds)}
             changed = self._take_back(session, nodes)
@@ -135,31 +161,30 @@ class Scheduler:
         return changed
 
     def _take_back(self, session: Session, nodes: dict[str, NodeState]) -> int:
-        """Count the slots placed jobs hold; a job placed on a node that is lost or draining, and not
-        started there (no lease), is put back in the queue as its next attempt."""
+        """Count the slots placed jobs hold; a job placed on a node that is lost, draining or whose disk is full,
+        and not started there (no lease), is put back in the queue as its next attempt."""
         held = store.held(session)
         back = []
         for job in held:
             parts = job.placement or []
-            gone = [p["node"] for p in parts if p["node"] not in nodes or nodes[p["node"]].gone]
-            if job.status == JobStatus.QUEUED and gone and not self.r.exists(lease_key(job.id, job.attempt)):
-                back.append((job.id, job.attempt, gone))
+            reason = take_back_reason(parts, nodes)
+            if job.status == JobStatus.QUEUED and reason and not self.r.exists(lease_key(job.id, job.attempt)):
+                back.append((job.id, job.attempt, reason))
                 continue
             for p in parts:
                 node = nodes.get(p["node"])
                 if node is not None:
                     node.used.update(str(d) for d in p.get("devices", []))
                     node.jobs += 1
-        for job_id, attempt, gone in back:
-            reason = f"placed on {', '.join(gone)}, which is gone or draining before it started the job"
+        for job_id, attempt, reason in back:
             if not store.take_back(session, job_id, attempt, reason):
                 continue
-            log.warning("job %s: node %s gone before it started attempt %d; placing it again", job_id,
-                        ", ".join(gone), attempt)
+            log.warning("job %s attempt %d: %s; placing it again", job_id, attempt, reason)
         return len(back)
 
     def _place(self, session: Session, nodes: dict[str, NodeState]) -> int:
-        served = sorted({q for n in nodes.values() if n.usable for q in n.queues})
+        # A queue whose only nodes have a full disk is looked at too, so that its jobs say so (waiting_reason).
+        served = sorted({q for n in nodes.values() if n.usable or n.disk_full for q in n.queues})
         store.mark_unserved(session, served)
         placed = 0
         blocked_queues: set[str] = set()

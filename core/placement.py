@@ -2,8 +2,8 @@
 the dry run reports (api/services/estimate.py), written once so the two cannot disagree.
 
 Pure: a node's figures and the job's needs in, the answer out. A share is `need` devices on one node of the job's
-queue; a node takes it now when it is usable (announcing, not draining), below its job limit and has that many
-devices free.
+queue; a node takes it now when it is usable (announcing, not draining, its disk not full), below its job limit and
+has that many devices free.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def free_now(*, free: int, jobs: int, jobs_max: int) -> int:
 def why_not_now(*, usable: bool, free: int, jobs: int, jobs_max: int, need: int) -> str | None:
     """Why the node cannot take the share now; None where it can."""
     if not usable:
-        return "it is not up (lost or draining)"
+        return "it is not up (lost, draining or its disk full)"
     if jobs >= jobs_max:
         return f"it runs {jobs} job(s), its limit (jobs_max {jobs_max})"
     if free < need:

@@ -101,7 +101,9 @@ def reap(session: Session, job_id: str, attempt: int, *, max_attempts: int,
         return Reaped(JobStatus.FAILED)
     if released is not None:
         journal.append(session, job, EventKind.STATE, {"status": RELEASED, **released})
-        why = "requeued after its worker shut down"
+        why = "requeued after its worker handed it back"
+        if released.get("reason"):
+            why += f": {released['reason']}"  # a deploy's shutdown, or its node's disk full before the launch
     else:
         journal.append(session, job, EventKind.STATE, {"status": LOST, "reason": "worker stopped heartbeating"})
         why = "requeued after worker loss"

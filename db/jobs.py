@@ -19,20 +19,30 @@ from db import audit, events, files, idempotency, jsonw, outbox, quotas, reads
 from db import pool as pg
 from db.errors import Conflict, NotFound, QuotaExceeded
 
-# Nothing counted where no limit applies.
-NO_USAGE = "SELECT 0::bigint AS jobs, 0::bigint AS gpus"
+# The owner's limits in effect (its quota row's fields where set, else the service's defaults: $10 jobs, $11 GPUs;
+# null: no limit) and, where one is in force, its counter row (db/quotas.py), locked until the commit: a submit
+# of the same owner waits here, then reads the count this one's insert left. The row is inserted only within the
+# limits; the insert's trigger then adds it to the counter. The answer is the row's JSON (null where refused), the
+# use it was measured against (null where a limit is in force but the owner has no counter row yet) and the limits.
 # The row, its first event (naming who submitted it, with its delivery where one announces it) and its audit
-# entry in one statement: all or nothing, in one round trip. The row is inserted only within the quota ($10 jobs,
-# $11 GPUs; null: no limit); otherwise the answer is the use that refused it. The first event's delivery is
-# $15 to $20 (db/outbox.py `delivery`; all null: none), as `events.APPEND` writes it.
+# entry are one statement: all or nothing, in one round trip. The first event's delivery is $15 to $20
+# (db/outbox.py `delivery`; all null: none), as `events.APPEND` writes it.
 INSERT_JOB = f"""
-WITH usage AS ({{usage}}), job AS (
+WITH quota AS (
+    SELECT coalesce(q.max_active_jobs, $10::bigint) AS max_jobs, coalesce(q.max_gpus, $11::bigint) AS max_gpus
+    FROM (SELECT 1) AS one LEFT JOIN owner_quotas AS q ON q.owner = $8
+), usage AS (
+    SELECT u.active_jobs AS jobs, u.gpus FROM owner_usage AS u
+    WHERE u.owner = $8 AND EXISTS (SELECT 1 FROM quota WHERE max_jobs IS NOT NULL OR max_gpus IS NOT NULL)
+    FOR NO KEY UPDATE OF u
+), job AS (
     INSERT INTO jobs (id, name, owner, gpus, priority, status, attempt, queue, request, resolved, progress,
                       checkpoints, metadata, event_seq, created_at, updated_at)
     SELECT $1, $2, $8, $9::int, $14::int, '{JobStatus.QUEUED.value}', 1, $3, $4::jsonb, $5::jsonb, $6::jsonb,
            '[]'::jsonb, $7::jsonb, 1, now(), now()
-    FROM usage
-    WHERE ($10::bigint IS NULL OR usage.jobs + 1 <= $10) AND ($11::bigint IS NULL OR usage.gpus + $9::int <= $11)
+    FROM quota LEFT JOIN usage ON true
+    WHERE (quota.max_jobs IS NULL OR usage.jobs + 1 <= quota.max_jobs)
+      AND (quota.max_gpus IS NULL OR usage.gpus + $9::int <= quota.max_gpus)
     RETURNING *
 ), first_event AS (
     {events.INSERT}
@@ -45,9 +55,11 @@ WITH usage AS ({{usage}}), job AS (
     SELECT now(), $13, $8, '{AuditAction.JOB_SUBMIT.value}', id,
            jsonb_build_object('name', name, 'queue', queue, 'gpus', gpus) FROM job
 )
-SELECT (SELECT {{job_json}} FROM job), usage.jobs, usage.gpus FROM usage"""
-INSERT_COUNTED = INSERT_JOB.format(usage=quotas.USAGE.format(owner="$8"), job_json=reads.JOB_JSON)
-INSERT_UNCOUNTED = INSERT_JOB.format(usage=NO_USAGE, job_json=reads.JOB_JSON)
+SELECT (SELECT {reads.JOB_JSON} FROM job), usage.jobs, usage.gpus, quota.max_jobs, quota.max_gpus
+FROM quota LEFT JOIN usage ON true"""
+# A recount (migration 0014) may remove an owner's counter row between the statement that found none and the one
+# that made it: tried again, but not for ever.
+INSERT_TRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,33 +90,26 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
     owner, gpus = job.owner, job.gpus
     args: list[Any] = [job.id, job.name, job.queue, jsonw.dumps(job.request), jsonw.dumps(job.resolved),
                        jsonw.dumps(job.progress), jsonw.dumps(job.metadata), owner, gpus]
-    # After the quota limits ($10, $11): who submits ($12, $13), the priority the scheduler orders by ($14) and
-    # the first event's delivery ($15 to $20).
+    # After the quota's defaults ($10, $11): who submits ($12, $13), the priority the scheduler orders by ($14)
+    # and the first event's delivery ($15 to $20).
     view = SimpleNamespace(id=job.id, name=job.name, owner=owner, queue=job.queue, status=JobStatus.QUEUED,
                            attempt=1, request=job.request, error=None, output=None, event_seq=1)
     first = {"status": JobStatus.QUEUED, "actor": actor}
     tail = [jsonw.dumps(actor), actor["key_id"], job.priority]
     try:
         async with (await pg.pool()).acquire() as conn:
-            if (idempotency_key is None and not job.files and defaults == (None, None)
-                    and not await quotas.has_row(conn, owner)):
-                # Nothing to count and nothing to remember: the one statement, no transaction around it.
+            if idempotency_key is None and not job.files:
+                # Nothing to remember and no file to hold: the one statement, no transaction around it.
                 delivery = await _first_delivery(conn, view, first)
-                row = await conn.fetchrow(INSERT_UNCOUNTED, *args, None, None, *tail, *delivery)
-                return 201, row[0].encode()
+                return 201, (await _insert(conn, job, [*args, *defaults, *tail, *delivery])).encode()
             async with conn.transaction():
                 if idempotency_key is not None:
                     await idempotency.claim(conn, owner=owner, key=idempotency_key, hashed=request_hash,
                                             keep_hours=keep_hours)
                 if job.files:
                     await files.hold_for_job(conn, owner, job.files)
-                limits = await quotas.lock(conn, owner, defaults)
-                counted = limits != (None, None)
                 delivery = await _first_delivery(conn, view, first)
-                body, jobs, used_gpus = await conn.fetchrow(INSERT_COUNTED if counted else INSERT_UNCOUNTED,
-                                                            *args, *limits, *tail, *delivery)
-                if body is None:
-                    raise QuotaExceeded(owner, limits, (jobs, used_gpus), gpus)
+                body = await _insert(conn, job, [*args, *defaults, *tail, *delivery])
                 if idempotency_key is not None:
                     await idempotency.remember(conn, owner=owner, key=idempotency_key, job_id=job.id, status=201,
                                                body=body)
@@ -113,6 +118,18 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
         return replay.status, replay.body
     except pg.UNREACHABLE as exc:
         raise pg.unavailable() from exc
+
+
+async def _insert(conn: Any, job: NewJob, args: list[Any]) -> str:
+    """INSERT_JOB's row as JSON, or QuotaExceeded with the limits and the use that refused it."""
+    for _ in range(INSERT_TRIES):
+        body, jobs, used_gpus, max_jobs, max_gpus = await conn.fetchrow(INSERT_JOB, *args)
+        if body is not None:
+            return body
+        if jobs is not None:
+            raise QuotaExceeded(job.owner, (max_jobs, max_gpus), (jobs, used_gpus), job.gpus)
+        await quotas.ensure_usage(conn, job.owner)
+    raise pg.unavailable()
 
 
 async def _first_delivery(conn: Any, view: SimpleNamespace, data: dict[str, Any]) -> tuple[Any, ...]:

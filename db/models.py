@@ -97,6 +97,9 @@ class Node(Base):
     draining: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker: Mapped[str] = mapped_column(String(200), nullable=False, server_default="")
     addr: Mapped[str] = mapped_column(String(200), nullable=False, server_default="127.0.0.1")
+    # The room left on the filesystem of its job folders, and whether that is below the node's FT_NODE_MIN_FREE_BYTES.
+    disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    disk_full: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
 

@@ -22,13 +22,15 @@ Q = JobStatus.QUEUED
 LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))"
 
 UPSERT_NODE = """
-INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, first_seen, last_seen)
-VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, now(), now())
+INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, disk_free_bytes, disk_full,
+                   first_seen, last_seen)
+VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, $10, $11, now(), now())
 ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, devices = EXCLUDED.devices,
     queues = EXCLUDED.queues, jobs_max = EXCLUDED.jobs_max, draining = EXCLUDED.draining,
-    worker = EXCLUDED.worker, addr = EXCLUDED.addr, last_seen = now()"""
+    worker = EXCLUDED.worker, addr = EXCLUDED.addr, disk_free_bytes = EXCLUDED.disk_free_bytes,
+    disk_full = EXCLUDED.disk_full, last_seen = now()"""
 NODES = """
-SELECT name, kind, slots, devices, queues, jobs_max, draining, addr,
+SELECT name, kind, slots, devices, queues, jobs_max, draining, addr, disk_free_bytes, disk_full,
        last_seen < now() - make_interval(secs => $1) AS gone FROM nodes ORDER BY name"""
 HELD = f"""
 SELECT id, attempt, status, dispatched_at IS NOT NULL AS sent, placement FROM jobs
@@ -96,8 +98,13 @@ def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]
         run(session, UPSERT_NODE, name, str(a.get("kind", "cpu"))[:32], int(a["slots"]),
             json.dumps([str(d) for d in a.get("devices", [])]), [str(q)[:64] for q in a.get("queues", [])],
             int(a.get("jobs_max", 1)), bool(a.get("draining")), str(a.get("worker", ""))[:200],
-            str(a.get("addr", "127.0.0.1"))[:200])
+            str(a.get("addr", "127.0.0.1"))[:200], _bytes(a.get("disk_free_bytes")), bool(a.get("disk_full")))
     return names
+
+
+def _bytes(value: Any) -> int | None:
+    # A worker of an earlier version announces no disk, and one that could not read its disk announces null.
+    return None if value is None else int(value)
 
 
 def nodes(session: Session, *, gone_seconds: float) -> list[Any]:

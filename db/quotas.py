@@ -2,10 +2,13 @@
 bytes its uploaded files may take in the store.
 
 An admin sets them (`PUT /owners/{owner}/quota`); an owner without a row, or a null field, takes the
-service's default (`defaults`, the API's settings). They are enforced in the submit's own transaction
-(db/jobs.py), under a lock per owner, so two submits cannot both take the last slot; the stored bytes likewise
-in the upload's insert (db/files.py). What is counted (`USAGE`)
-and how a row and the defaults combine (`effective`) are written here once, for the submit and for the reads.
+service's default (`defaults`, the API's settings). What an owner holds is kept as counters in `owner_usage`,
+which triggers on `jobs` and `files` update in the transaction of every write that changes them (migration
+0014). A submit (db/jobs.py) or an upload (db/files.py) under a quota locks its owner's counter row in the
+statement that inserts, compares it with the limit and inserts only within it; the insert's trigger then adds to
+the row it holds, so two submits cannot both take the last slot, and the check costs one row whatever the owner
+holds. Submits of other owners do not wait for it. How a row and the defaults combine is written here once, for
+the submits and for the reads.
 """
 
 from __future__ import annotations
@@ -14,24 +17,17 @@ from typing import Any
 
 import asyncpg
 
-from contract.codes import UNFINISHED_STATUSES, AuditAction, sql_list
+from contract.codes import AuditAction
 from db import audit
 from db import pool as pg
 
 Limits = tuple[int | None, int | None]
 
-# The owner's unfinished jobs and their GPUs (from the partial index ix_jobs_owner_unfinished), `{owner}` its
-# parameter.
-USAGE = ("SELECT count(*) AS jobs, coalesce(sum(gpus), 0) AS gpus FROM jobs "
-         f"WHERE owner = {{owner}} AND status IN {sql_list(UNFINISHED_STATUSES)}")
 ROW = "SELECT max_active_jobs, max_gpus, max_stored_bytes FROM owner_quotas WHERE owner = $1"
-STORED = "SELECT coalesce(sum(bytes), 0)::bigint FROM files WHERE owner = $1"
-# The owner's quota, read under a lock of the owner's own for the rest of the transaction: the next
-# statement's snapshot then sees every job an earlier submit of the owner committed, so two submits
-# cannot both take the last slot. Submits of other owners do not wait for it.
-LOCK_OWNER = """
-SELECT pg_advisory_xact_lock(hashtextextended('ft_quota:' || $1, 0)), q.max_active_jobs, q.max_gpus
-FROM (SELECT 1) AS one LEFT JOIN owner_quotas AS q ON q.owner = $1"""
+USAGE = "SELECT active_jobs, gpus, stored_bytes FROM owner_usage WHERE owner = $1"
+# A submit or an upload that found no counter row for its owner (none of its jobs or files was ever written, or
+# a recount found it held nothing) makes it and tries again: a lock needs a row to lock.
+ENSURE_USAGE = "INSERT INTO owner_usage (owner) VALUES ($1) ON CONFLICT (owner) DO NOTHING"
 PUT = """
 INSERT INTO owner_quotas (owner, max_active_jobs, max_gpus, max_stored_bytes, updated_at) VALUES ($1, $2, $3, $4, now())
 ON CONFLICT (owner) DO UPDATE SET max_active_jobs = EXCLUDED.max_active_jobs, max_gpus = EXCLUDED.max_gpus,
@@ -45,13 +41,8 @@ def effective(row: Any, defaults: Limits) -> Limits:
     return jobs, gpus
 
 
-async def has_row(conn: asyncpg.Connection, owner: str) -> bool:
-    return bool(await conn.fetch(ROW, owner))
-
-
-async def lock(conn: asyncpg.Connection, owner: str, defaults: Limits) -> Limits:
-    """Within a submit's transaction: the owner's lock taken, the limits in effect."""
-    return effective(await conn.fetchrow(LOCK_OWNER, owner), defaults)
+async def ensure_usage(conn: asyncpg.Connection, owner: str) -> None:
+    await conn.execute(ENSURE_USAGE, owner)
 
 
 async def get(*, owner: str, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
@@ -64,8 +55,8 @@ async def get(*, owner: str, defaults: Limits, stored_default: int | None) -> di
 
 async def _get(conn: asyncpg.Connection, owner: str, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
     row = await conn.fetchrow(ROW, owner)
-    count, used = await conn.fetchrow(USAGE.format(owner="$1"), owner)
-    stored = await conn.fetchval(STORED, owner)
+    usage = await conn.fetchrow(USAGE, owner)
+    count, used, stored = (usage["active_jobs"], usage["gpus"], usage["stored_bytes"]) if usage else (0, 0, 0)
     jobs, gpus = effective(row, defaults)
     stored_set = row["max_stored_bytes"] if row else None
     return {"owner": owner, "max_active_jobs": jobs, "max_gpus": gpus,

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
+from contract.protocol import NodeState
 from db import keyset
 from db import pool as pg
 from db.errors import NotFound
@@ -126,17 +127,20 @@ async def events_page(job_id: str, *, after: int, limit: int, types: list[str] |
             + (b"true" if len(rows) > limit else b"false") + b',"next_after":' + str(next_after).encode() + b"}")
 
 
-# A node's state: draining (its worker is shutting down), lost (not seen for the grace period after its
-# heartbeat key expired: it receives nothing), or up. Its jobs and free slots are the placed jobs that
-# have not ended, as the scheduler counts them.
+# A node's state (contract.protocol.NodeState): lost (not seen for the grace period after its heartbeat key expired:
+# it receives nothing), draining (its worker is shutting down), disk_full (the room left on its disk, as last
+# announced, is below the node's threshold), or up. Its jobs and free slots are the placed jobs that have not ended,
+# as the scheduler counts them.
 NODES = f"""
 SELECT coalesce(json_agg(json_build_object(
     'name', n.name, 'kind', n.kind, 'queues', n.queues, 'slots_total', n.slots,
-    'slots_free', CASE WHEN n.last_seen >= now() - make_interval(secs => $1) AND NOT n.draining
+    'slots_free', CASE WHEN n.last_seen >= now() - make_interval(secs => $1) AND NOT n.draining AND NOT n.disk_full
                        THEN n.slots - coalesce(h.used, 0) ELSE 0 END,
     'jobs', coalesce(h.jobs, '[]'::json), 'jobs_max', n.jobs_max, 'last_seen', n.last_seen,
-    'state', CASE WHEN n.last_seen < now() - make_interval(secs => $1) THEN 'lost'
-                  WHEN n.draining THEN 'draining' ELSE 'up' END) ORDER BY n.name), '[]'::json)::text
+    'disk_free_bytes', n.disk_free_bytes,
+    'state', CASE WHEN n.last_seen < now() - make_interval(secs => $1) THEN '{NodeState.LOST.value}'
+                  WHEN n.draining THEN '{NodeState.DRAINING.value}' WHEN n.disk_full THEN '{NodeState.DISK_FULL.value}'
+                  ELSE '{NodeState.UP.value}' END) ORDER BY n.name), '[]'::json)::text
 FROM nodes AS n LEFT JOIN LATERAL (
     SELECT sum(jsonb_array_length(p->'devices'))::int AS used,
            json_agg(json_build_object('id', j.id, 'status', j.status, 'devices', p->'devices') ORDER BY j.seq) AS jobs

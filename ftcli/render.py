@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from contract.codes import EventKind, JobStatus
-from contract.protocol import NODE_STATE, JobField
+from contract.protocol import NODE_STATE, JobField, NodeState
 
 STATUS_STYLE = {JobStatus.SUCCEEDED: "green", JobStatus.FAILED: "red", JobStatus.CANCELLED: "yellow",
                 JobStatus.CANCELLING: "yellow", JobStatus.RUNNING: "cyan", JobStatus.STARTING: "cyan",
@@ -164,7 +164,8 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     table = Table(box=None, header_style="bold")
     for column in ("NODE", "KIND", "STATE", "SLOTS FREE", "QUEUES", "JOBS", "LAST SEEN"):
         table.add_column(column, no_wrap=column in ("NODE", "STATE"))
-    styles = {"up": "green", "draining": "yellow", "lost": "red"}
+    styles = {NodeState.UP.value: "green", NodeState.DRAINING.value: "yellow", NodeState.DISK_FULL.value: "red",
+              NodeState.LOST.value: "red"}
     for n in nodes:
         table.add_row(n["name"], n.get("kind") or "", f"[{styles.get(n[NODE_STATE], 'white')}]{n[NODE_STATE]}[/]",
                       f"{n.get('slots_free')}/{n.get('slots_total')}", ",".join(n.get("queues") or []),

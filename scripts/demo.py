@@ -28,6 +28,40 @@ from scripts.stack import ROOT, Stack, StackSettings, database_exists_or_create,
 
 DEMO_JOB = ROOT / "examples" / "demo-job.json"
 
+# Where the wait from POST /jobs to the first progress event goes: each phase ends at a mark that the worker
+# (`picked_up`, `spawned`) or rank 0 of the trainer (trainer/startup.py) put in the `started` event, or at an event's
+# own time. A phase whose marks an older worker or trainer did not send is left out; `total` is measured anyway.
+PHASES: tuple[tuple[str, str, str, str], ...] = (
+    ("dispatch", "posted", "picked_up", "POST /jobs sent -> the node's worker took the attempt (commit, NOTIFY, "
+     "placement, Celery send and receive)"),
+    ("worker", "picked_up", "spawned", "the worker's preparation: fence, checkpoint and inputs from the store, "
+     "spec written"),
+    ("launcher", "spawned", "process", "the guard and the launcher up to the rank 0 process's creation"),
+    ("imports", "process", "imported", "rank 0 imports torch, transformers, DeepSpeed and the recipe"),
+    ("distributed", "imported", "distributed", "deepspeed.init_distributed: the process group's rendezvous"),
+    ("data", "distributed", "data", "tokenizer, reading and packing the data, the batch settled"),
+    ("model", "data", "model", "the model built or loaded"),
+    ("engine", "model", "engine", "kernels, the DeepSpeed config and deepspeed.initialize"),
+    ("resume", "engine", "started", "the newest checkpoint resumed, the started event"),
+    ("first_step", "started", "first_progress", "the first optimizer step, to rank 0's first progress event"),
+    ("delivery", "first_progress", "seen", "the event through the worker, Redis, the ingester and the API's SSE"),
+)
+
+
+def startup_breakdown(times: dict[str, float]) -> dict[str, float]:
+    """Seconds of each phase of PHASES from the marks in `times` (epoch s), and `total` (posted -> seen)."""
+    out = {name: round(times[end] - times[start], 3) for name, start, end, _ in PHASES
+           if start in times and end in times}
+    if "posted" in times and "seen" in times:
+        out["total"] = round(times["seen"] - times["posted"], 3)
+    return out
+
+
+def breakdown_lines(phases: dict[str, float]) -> list[str]:
+    lines = [f"    {name:<12} {phases[name]:6.2f} s  {what}" for name, _, _, what in PHASES if name in phases]
+    return lines + [f"    {'total':<12} {phases.get('total', float('nan')):6.2f} s  POST /jobs -> first progress "
+                    "event seen by this client"]
+
 
 def prepare_assets(model_root: Path, data_root: Path) -> None:
     """The demo's model and data, made locally: the paths examples/demo-job.json and examples/dpo-job.json name."""
@@ -57,18 +91,24 @@ def check_export(path: str) -> str:
 def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | None = None) -> dict[str, Any]:
     """Submit and follow one job with the API key `key`; returns its final state and the figures measured."""
     t0 = time.monotonic()
+    times: dict[str, float] = {"posted": time.time()}
     created = submit(stack.api_url, job, token=key)
     job_id = created["id"]
-    figures: dict[str, Any] = {"job_id": job_id, "first_progress_s": None, "losses": []}
+    figures: dict[str, Any] = {"job_id": job_id, "first_progress_s": None, "losses": [], "times": times}
     if not quiet:
         print(f"submitted {job_id}: micro batch {created['resolved']['micro_batch_size']} × accumulation "
               f"{created['resolved']['gradient_accumulation_steps']} × {created['resolved']['world_size']} processes",
               flush=True)
 
     def on_event(ev: dict[str, Any]) -> None:
+        if ev["type"] == EventKind.STARTED and "started" not in times:
+            times.update(ev.get("startup") or {})
+            times["started"] = ev.get("ts") or time.time()
         if ev["type"] == EventKind.PROGRESS:
             if figures["first_progress_s"] is None:
                 figures["first_progress_s"] = time.monotonic() - t0
+                times["seen"] = time.time()
+                times["first_progress"] = ev.get("ts") or times["seen"]
             figures["losses"].append(ev.get("loss"))
             if not quiet:
                 print("\r" + progress_line(job_id, ev).ljust(100), end="", flush=True)
@@ -81,6 +121,7 @@ def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | 
 
     follow(stack.api_url, job_id, on_event, token=key)
     figures["wall_s"] = time.monotonic() - t0
+    figures["startup"] = startup_breakdown(times)
     figures["job"] = httpx.get(f"{stack.api_url}/jobs/{job_id}", timeout=10,
                                headers={"Authorization": f"Bearer {key}"} if key else {}).json()
     return figures
@@ -140,7 +181,8 @@ def main() -> int:
     print(f"  steps {p.get('step')}/{p.get('total_steps')}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"{p.get('tokens_per_second') or 0:,.0f} tokens/s")
     print(f"  first progress event {figures['first_progress_s']:.1f} s after POST /jobs; "
-          f"job CPU time {p.get('cpu_seconds', 0):.0f} s")
+          f"job CPU time {p.get('cpu_seconds', 0):.0f} s; where the wait went:")
+    print("\n".join(breakdown_lines(figures["startup"])))
     print(f"  checkpoints: {[c['step'] for c in job['checkpoints']]}")
     files = job["output"]["files"]
     print(f"  exported model: {job['output']['store']} in the artifact store ({', '.join(f['path'] for f in files)}), "

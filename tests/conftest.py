@@ -23,6 +23,7 @@ import redis
 from scripts.corpus import write_corpus
 from scripts.stack import ROOT, Stack, migrate
 from tests.helpers import free_port
+from tests.outage_support import PrivateRedis
 from tests.s3_support import S3Server
 
 PG = os.environ.get("FT_TEST_PG", "host=127.0.0.1 port=5432 user=postgres dbname=postgres")
@@ -55,6 +56,19 @@ def redis_url() -> str:
     except redis.ConnectionError as exc:
         pytest.fail(f"Redis is needed at {url} and is not reachable: {exc}")
     return url
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of the module's own, for a module that runs a control plane on a database of its own. On the
+    session's Redis the two control planes would share one event stream, and each ingester drops the events
+    of jobs its database lacks: the other's."""
+    server = PrivateRedis(tmp_path_factory.mktemp("own-redis"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
 
 
 @pytest.fixture(scope="session")

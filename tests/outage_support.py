@@ -181,6 +181,18 @@ def stored_events(dsn: str, job_id: str) -> list[dict[str, Any]]:
     return [{"seq": r[0], "attempt": r[1], "type": r[2], "data": r[3], "source_id": r[4]} for r in rows]
 
 
+# The marks the worker adds to the `started` event's `startup` beside rank 0's own (worker/attempt.py).
+WORKER_MARKS = ("picked_up", "spawned")
+
+
+def _rank_part(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 printed of a stored event: the worker's own start-up marks taken out of `started`."""
+    if kind != "started" or "startup" not in data:
+        return data
+    marks = {k: v for k, v in data["startup"].items() if k not in WORKER_MARKS}
+    return {**data, "startup": marks}
+
+
 def compare_with_rank0(dsn: str, job_id: str, job_dir: Path, attempt: int) -> dict[str, int]:
     """Every rank-0 line of the attempt is stored exactly once, in order, and the log is gap-free."""
     stored = stored_events(dsn, job_id)
@@ -191,7 +203,7 @@ def compare_with_rank0(dsn: str, job_id: str, job_dir: Path, attempt: int) -> di
     # `server_paths`): the job's folder is under the artifacts root, the rest of its paths Python's or /tmp's.
     rewrite = ServerPaths([(job_dir.parent.parent, "<artifacts>"), *python_directories(), *host_directories()])
     expected = [(kind, rewrite.value(data)) for kind, data in rank0_events(job_dir, attempt)]
-    got = [(e["type"], e["data"]) for e in stored
+    got = [(e["type"], _rank_part(e["type"], e["data"])) for e in stored
            if e["attempt"] == attempt and e["type"] != "state" and e["data"].get("rank") == 0]
     if got != expected:
         missing = [e for e in expected if e not in got]

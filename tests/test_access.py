@@ -10,6 +10,7 @@ worker serves, so a test can count the task messages.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,6 +56,11 @@ def database() -> Iterator[str]:
     with fresh_database() as url:
         add_key(url, ADMIN_KEY, owner="ops")
         yield url
+
+
+@pytest.fixture(scope="module")
+def redis_url(own_redis: str) -> str:
+    return own_redis
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +272,15 @@ def test_an_expired_key_is_refused(apis: list[ApiProcess], admin: httpx.Client,
     error_of(httpx.get(apis[0].url + "/jobs", headers=auth(expired)), 401, "unauthorized")
     past = admin.post("/keys", json={"owner": "team-e", "scopes": ["jobs:read"], "expires_at": "2020-01-01T00:00:00Z"})
     assert error_of(past, 422, "invalid_request")["field"] == "expires_at"
+
+
+def test_a_key_name_postgres_cannot_store_is_a_422_naming_it_and_makes_no_key(admin: httpx.Client) -> None:
+    for name, why in (("a\u0000b", "NUL"), ("a\ud800b", "unicode")):
+        r = admin.post("/keys", content=json.dumps({"owner": "team-nul", "scopes": ["jobs:read"], "name": name}),
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert "name" in r.text and why in r.text, r.text
+    assert admin.get("/keys", params={"owner": "team-nul"}).json()["data"] == []
 
 
 def test_keys_record_when_they_were_last_used(apis: list[ApiProcess], admin: httpx.Client,

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +50,20 @@ def lines_json(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def rest_of(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """The rest of a process's stdout and stderr, read through its own file objects: communicate() reads the
+    pipes beneath them and would lose what an earlier readline() had already buffered."""
+    got: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda name=name, f=f: got.__setitem__(name, f.read()), daemon=True)
+               for name, f in (("out", proc.stdout), ("err", proc.stderr))]
+    for reader in readers:
+        reader.start()
+    proc.wait(timeout=timeout)
+    for reader in readers:
+        reader.join(timeout=30)
+    return got["out"], got["err"]
+
+
 def test_submit_wait_and_a_watch_that_resumes_after_the_stream_is_cut(env: dict[str, str], job_file: Path,
                                                                       stack_env: dict[str, str], tmp_path: Path
                                                                       ) -> None:
@@ -72,8 +87,8 @@ def test_submit_wait_and_a_watch_that_resumes_after_the_stream_is_cut(env: dict[
     time.sleep(2)
     proxy.restore()
     try:
-        rest, errors = watch.communicate(timeout=300)
-        submit_out, submit_err = submit.communicate(timeout=300)
+        rest, errors = rest_of(watch, timeout=300)
+        submit_out, submit_err = rest_of(submit, timeout=300)
     finally:
         proxy.cut()
         for p in (watch, submit):

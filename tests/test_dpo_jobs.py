@@ -4,6 +4,7 @@ every way a job and its file can disagree about the method is refused at submit,
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
@@ -133,6 +134,37 @@ def test_a_method_and_a_file_that_disagree_are_refused_at_submit_naming_the_fiel
     assert ok.status_code == 201, ok.text
 
 
+def test_a_dpo_job_none_of_whose_pairs_fits_its_length_is_refused_at_submit(owner: httpx.Client) -> None:
+    long_prompt = {"prompt": "The quick brown fox jumps over the lazy dog. " * 6, "chosen": " Yes.", "rejected": " No."}
+    too_long = processed(owner, [long_prompt] * 3 + [{**long_prompt, "prompt": long_prompt["prompt"][:-12]}])
+    assert too_long["status"] == "processed", too_long
+    before = owner.get("/jobs", params={"limit": 200}).json()["data"]
+    spec = job_spec(data={"train": too_long["id"], "validation": None}, method={"type": "dpo"}, resources=PARKED,
+                    hyperparameters={"seq_len": 16})
+    message = refused(owner.post("/jobs", json=spec), "hyperparameters.seq_len")
+    # The shortest prompt is the last line's; the least seq_len that fits it is named.
+    assert "line 4" in message and "raise seq_len to at least" in message, message
+    assert owner.get("/jobs", params={"limit": 200}).json()["data"] == before
+    refused(owner.post("/jobs", params={"dry_run": "true"}, json=spec), "hyperparameters.seq_len")
+    least = int(message.rsplit(" ", 1)[-1])
+    ok = owner.post("/jobs", json={**spec, "hyperparameters": {**spec["hyperparameters"], "seq_len": least}})
+    assert ok.status_code == 201, ok.text
+    owner.post(f"/jobs/{ok.json()['id']}/cancel")
+    # One pair that fits, after three that do not, lets the job through: the trainer keeps that pair.
+    one_fits = processed(owner, [long_prompt] * 3 + [{"prompt": "Hi", "chosen": " Yes.", "rejected": " No."}])
+    spec["data"]["train"] = one_fits["id"]
+    # The dry run shows what the trainer will keep, cut and drop, counted with the job's tokenizer.
+    dry = owner.post("/jobs", params={"dry_run": "true"}, json=spec)
+    assert dry.status_code == 200, dry.text
+    pairs = dry.json()["pairs"]
+    assert pairs["complete"] and pairs["lines_read"] == 4 and pairs["pairs_kept"] == 1, pairs
+    assert pairs["dropped"] == {"prompt_too_long": 3} and pairs["dropped_lines"] == [1, 2, 3], pairs
+    assert pairs["shortest_prompt_line"] == 4 and pairs["tokens"]["prompt"] == pairs["shortest_prompt"] > 0, pairs
+    ok = owner.post("/jobs", json=spec)
+    assert ok.status_code == 201, ok.text
+    owner.post(f"/jobs/{ok.json()['id']}/cancel")
+
+
 def test_the_example_dpo_job_is_accepted(owner: httpx.Client, roots: dict[str, Path]) -> None:
     """examples/dpo-job.json as `make demo` leaves its data (scripts/demo.py writes the pairs beside the corpus)."""
     write_pairs(roots["data"] / "demo" / "pairs.jsonl", 200, seed=1, shape="openai")
@@ -170,3 +202,42 @@ def test_a_file_of_malformed_pairs_is_refused_line_by_line_and_trains_nothing(ow
                                      fmt="preference").json()["id"])
     assert declared["status"] == "error" and declared["errors"][0]["line"] == 1, declared
     assert "chat example" in declared["errors"][0]["message"], declared
+
+
+class _OneLine(io.RawIOBase):
+    """A pair file of one line of `size` bytes made as it is read: the start of a pair, then letters, no newline."""
+
+    def __init__(self, size: int) -> None:
+        self.head = b'{"prompt": "'
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.left)
+        view = memoryview(buffer)
+        head, self.head = self.head[:n], self.head[n:]
+        view[:len(head)] = head
+        view[len(head):n] = b"a" * (n - len(head))
+        self.left -= n
+        return n
+
+
+def test_a_file_of_one_line_past_the_line_limit_is_refused_at_its_line_and_trains_nothing(
+        owner: httpx.Client) -> None:
+    """Stored whole (the upload limit is larger), then refused by the check at line 1 for its length, read in
+    constant memory; a job on it is refused at submit naming the field. 80 MiB here, past the 64 MiB line limit;
+    FT_TEST_ONE_LINE_BYTES runs the same with another size (bench/RESULTS.md names the 1 GiB run)."""
+    size = int(os.environ.get("FT_TEST_ONE_LINE_BYTES", 80 << 20))
+    r = owner.post("/files", data={"purpose": "fine-tune", "format": "preference"},
+                   files={"file": ("one-line.jsonl", _OneLine(size), "application/octet-stream")}, timeout=600)
+    assert r.status_code == 201, r.text
+    assert r.json()["bytes"] == size
+    found = checked(owner, r.json()["id"], timeout=600)
+    assert found["status"] == "error", found
+    assert found["errors"] == [{"line": 1, "message": f"is longer than {64 << 20} bytes"}], found["errors"]
+    r = owner.post("/jobs", json=job_spec(data={"train": found["id"], "validation": None}, method={"type": "dpo"},
+                                          resources=PARKED))
+    assert "validation found errors" in refused(r, "data.train")
+    assert owner.delete(f"/files/{found['id']}").status_code in (200, 204)

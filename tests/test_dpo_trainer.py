@@ -1,4 +1,4 @@
-"""The preference method (method.type dpo) under the real `deepspeed` launcher on two CPU processes: it learns a rule
+"""The preference method (method.type dpo) under the real `deepspeed` launcher on CPU processes: it learns a rule
 the base model does not know, with either reference, packed and unpacked, and a stopped job resumes against the
 reference its checkpoint kept. The loss itself is proven equal to trl's in tests/test_preference_loss.py."""
 
@@ -50,21 +50,28 @@ def check_learned(events: list[dict[str, Any]], tail: str, out: Path, base: Path
     assert ranking_accuracy(out, HELD_OUT) >= 0.9
 
 
-def test_full_fine_tuning_learns_with_a_precomputed_reference_and_resumes_against_it(
+def test_full_fine_tuning_learns_with_a_precomputed_reference_and_resumes_against_it_on_another_world_size(
         tmp_path: Path, tiny_model: Path) -> None:
+    """ZeRO-3 with its optimizer offloaded, on two processes, stopped at its step-10 checkpoint, resumed on one
+    (through the checkpoint's universal copy): the reference is the table the first attempt computed, not one
+    computed again from the resumed weights (which would equal the policy and make every reward 0), and the job
+    learns as an uninterrupted one does."""
     train = write_pairs(tmp_path / "pairs.jsonl", 200, seed=1)
-    job = dpo_job(tiny_model, train, checkpointing={"every_steps": 10, "keep_last": 2})
-    spec = write_run_spec(tmp_path, job)
-    rc, first, tail = launch(spec, on_event=stop_after_checkpoint(10))
+    job = dpo_job(tiny_model, train, deepspeed={"zero_stage": 3, "offload_optimizer": "cpu"},
+                  checkpointing={"every_steps": 10, "keep_last": 2})
+    rc, first, tail = launch(write_run_spec(tmp_path, job), on_event=stop_after_checkpoint(10))
     assert rc != 0 and of(first, "interrupted"), tail
     (started,) = of(first, "started")
-    assert started["reference"] == "precomputed"
+    assert started["reference"] == "precomputed" and started["world_size"] == 2
     kept = torch.load(tmp_path / "job" / "checkpoints" / "step-00000010" / "extras.pt", weights_only=True)
     assert kept["train"].shape == (160, 2) and bool((kept["train"] < 0).all())
-    rc, events, tail = launch(spec)
+    one = write_run_spec(tmp_path, {**job, "resources": {**job["resources"], "num_gpus": 1}})
+    rc, events, tail = launch(one, procs=1)
     assert rc == 0, tail
     (resumed,) = of(events, "started")
-    assert resumed["resumed_from_step"] in (10, 11), resumed
+    assert resumed["resumed_from_step"] in (10, 11) and resumed["world_size"] == 1, resumed
+    after = of(events, "progress")[0]
+    assert abs(after["rewards/margins"]) > 1e-3 and abs(after["rewards/chosen"]) > 1e-4, after
     check_learned(first + events, tail, tmp_path / "job" / "output", tiny_model)
 
 
@@ -85,3 +92,4 @@ def test_lora_learns_against_its_base_with_adapters_off_unpacked_after_an_out_of
     (adapted,) = of(events, "adapted")
     assert adapted["setting"]["micro_batch_size"] == 1 and started["micro_batch_size"] == 1, adapted
     check_learned(events, tail, tmp_path / "job" / "output", tiny_model)
+

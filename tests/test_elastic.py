@@ -8,8 +8,9 @@ their export goes to the store. The 2-process attempts run as two nodes of one p
 hosts that share no disk, each with a folder of its own: the first attempt runs on hosts a and b (b's folder is
 then deleted), the second on a fresh host c, the third on a and c, so every node restores the checkpoint from the
 store and converts its own copy. ZeRO-3's two nodes share one folder (one host): one node converts, the other
-finds the copy committed. An uninterrupted 2-process run of the same job is the reference. The job fixes the global
-batch (8 rows), so the data position, counted in global batches, names the same rows on either world size.
+finds the copy committed. An uninterrupted run of the same job on one process is the reference: the job fixes the
+global batch (8 rows), so the data position, counted in global batches, names the same rows on either world size, and
+the curve is the same on any, up to the order of float32 sums (LOSS_REL_TOL).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     job = make_job(tiny_model, train, hyperparameters={"max_steps": STEPS, "warmup_steps": 2},
                    deepspeed={"zero_stage": stage, "precision": "fp32"},
                    checkpointing={"every_steps": EVERY, "keep_last": 2})
-    path = write_run_spec(tmp, {**job, "resources": {"num_gpus": 2}}, job_dir=tmp / "reference")
-    rc, reference, tail = launch(path, procs=2)
+    path = write_run_spec(tmp, {**job, "resources": {"num_gpus": 1}}, job_dir=tmp / "reference")
+    rc, reference, tail = launch(path, procs=1)
     assert rc == 0, tail
     (tmp / "events-reference.json").write_text(json.dumps(reference))
 
@@ -280,7 +281,7 @@ def test_a_universal_copy_is_converted_once_and_reused(chain: Chain) -> None:
     """Two nodes sharing a folder convert it once: the one that takes the folder's lock converts, the other waits
     and finds the copy committed. An attempt that dies after converting and before its next checkpoint leaves the
     copy committed; the next attempt on that world size loads it without converting again. Driven directly (no
-    launch) on the reference's newest tag, written by 2 processes."""
+    launch) on the reference's newest tag, written by 1 process, for a resume on 2."""
     from concurrent.futures import ThreadPoolExecutor
 
     from trainer import elastic
@@ -288,9 +289,9 @@ def test_a_universal_copy_is_converted_once_and_reused(chain: Chain) -> None:
 
     ckpt = chain.root / "reference" / "checkpoints"
     tag = ckpt / f"step-{STEPS:08d}"
-    plan = elastic.plan(tag, 1)
-    assert plan.universal and plan.written == elastic.Topology(2, 8, chain.stage)
-    assert not elastic.plan(tag, 2).universal
+    plan = elastic.plan(tag, 2)
+    assert plan.universal and plan.written == elastic.Topology(1, 8, chain.stage)
+    assert not elastic.plan(tag, 1).universal
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda _: elastic.universal_copy(ckpt, tag, Fence(chain.root / "reference", 2)),
                              range(2)))

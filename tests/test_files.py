@@ -497,6 +497,26 @@ def test_a_file_over_the_limit_is_a_413_whatever_its_declared_length(small_api: 
     nothing_left(client, bucket, stack_env, before)
 
 
+def test_a_store_that_refuses_the_write_is_a_503_to_retry_and_keeps_nothing(
+        stack_env: dict[str, str], mine_key: tuple[str, httpx.Client], tmp_path: Path) -> None:
+    """An API whose bucket is not on the store's server (deleted, or misnamed): the store refuses the write, and the
+    upload is a 503 with Retry-After naming no endpoint, no file row, and no unhandled error in the log."""
+    key, client = mine_key
+    missing = "s3://no-such-bucket-" + uuid.uuid4().hex[:8] + "/service"
+    proc = ApiProcess({**stack_env, "FT_STORE_URL": missing}, tmp_path / "api.log").start()
+    try:
+        with httpx.Client(base_url=proc.url, headers=auth(key), timeout=60) as other:
+            for size in (1000, 12 << 20):  # one request, and a multipart upload
+                r = upload(other, b"w" * size)
+                err = error_of(r, 503, "unavailable")
+                assert r.headers["Retry-After"].isdigit() and "could not be written" in err["message"], r.text
+                assert "127.0.0.1" not in r.text and "no-such-bucket" not in r.text, r.text
+        assert client.get("/files").json()["data"] == []
+    finally:
+        proc.stop()
+    assert "unhandled error" not in proc.log(), proc.log()[-3000:]
+
+
 def test_the_quota_of_stored_bytes(api: httpx.Client, mine: tuple[str, httpx.Client], bucket: Any,
                                    stack_env: dict[str, str]) -> None:
     owner, client = mine

@@ -54,15 +54,21 @@ TOKEN = fixed_key("fuzz")  # an admin key of its own owner, stored in the fuzzed
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 QUEUE = "fuzz-parked"  # no worker serves it
 # Examples per operation and mode: every operation gets the positive ones, those with inputs the negative ones too.
-EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 100}
-MIN_REQUESTS = 2000
+# An operation that takes a body (a job, a file, a key, a quota, a webhook) has an input space of many fields and
+# gets more; one of path and query parameters alone (ids of a fixed form, a limit, a cursor, a filter) has few
+# ways to be right or wrong, and fewer cases reach them all.
+EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 25}
+BODY_EXAMPLES = {GenerationMode.POSITIVE: 100, GenerationMode.NEGATIVE: 60}
+# Shares of the cases asked for, so they follow the budgets above: nearly every case reaches the server (an
+# operation without inputs runs out of distinct ones first), and most are held to the schema's word.
+MIN_REQUESTS_SHARE = 0.8
 # ignored_auth re-sends a successful request without the token (once per operation) and expects a 401.
 CHECKS: list[CheckFunction] = [status_code_conformance, content_type_conformance, response_schema_conformance,
                                response_headers_conformance, ignored_auth]
 # Schema-valid requests accepted (2xx, or a 404/409/429 that depends on state), schema-invalid ones refused: run on
 # every negative case, and on the positive ones given the state their rules depend on (`settle`).
 CONFORMANCE: list[CheckFunction] = [positive_data_acceptance, negative_data_rejection]
-MIN_CONFORMANCE = 4000
+MIN_CONFORMANCE_SHARE = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +127,16 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str], webho
     # Reproducible by default (the same requests every run); FT_FUZZ_SEED=<n> explores other ones.
     seed = int(os.environ.get("FT_FUZZ_SEED", "0"))
     failures: list[str] = []
+    asked = 0
     start = time.monotonic()
     for op in operations:
         # The key is fixed (fuzz_operation): a route whose one header is the key has nothing in headers to get wrong.
         headers = [h for h in op.headers if h.name.lower() != "authorization"]
         has_inputs = any(len(part) for part in (op.path_parameters, op.query, headers, op.body))
-        for mode, examples in EXAMPLES.items():
+        for mode, examples in (BODY_EXAMPLES if len(op.body) else EXAMPLES).items():
             if mode is GenerationMode.NEGATIVE and not has_inputs:
                 continue  # nothing to get wrong
+            asked += examples
             try:
                 fuzz_operation(op, mode, examples, run, seed=seed, ended=ended_jobs)
             except hypothesis.errors.Unsatisfiable:
@@ -141,11 +149,11 @@ def test_fuzz_every_operation(fuzz_api: ApiProcess, ended_jobs: list[str], webho
     elapsed = time.monotonic() - start
     counts, statuses = run.counts, run.statuses
     total = sum(counts.values())
-    print(f"\nfuzz: {total} requests in {elapsed:.0f} s, {run.conformance} held to the schema's word; statuses "
-          f"{dict(sorted(statuses.items()))}; per operation {counts}")
+    print(f"\nfuzz: {total} requests of {asked} asked in {elapsed:.0f} s, {run.conformance} held to the schema's "
+          f"word; statuses {dict(sorted(statuses.items()))}; per operation {counts}")
     assert not failures, "\n\n".join(failures) + "\n\nAPI log:\n" + fuzz_api.log()[-5000:]
-    assert total >= MIN_REQUESTS, counts
-    assert run.conformance >= MIN_CONFORMANCE, run.conformance
+    assert total >= MIN_REQUESTS_SHARE * asked, (asked, counts)
+    assert run.conformance >= MIN_CONFORMANCE_SHARE * asked, (asked, run.conformance)
     assert not [s for s in statuses if s >= 500], statuses
     # The generator must have reached past validation, or it fuzzed only the 422 path.
     assert statuses.get(201, 0) >= 10 and statuses.get(200, 0) >= 100 and statuses.get(404, 0) >= 10, statuses

@@ -71,7 +71,8 @@ def test_job_runs_to_success_and_exports_a_working_model(api: httpx.Client, make
 
     logs = api.get(f"/jobs/{job['id']}/logs")
     assert logs.status_code == 200 and logs.headers["content-type"].startswith("text/plain")
-    assert "[rank 0]" in logs.text and "[rank 1]" in logs.text and "deepspeed.launcher.runner" in logs.text
+    # The node's warm trainer forked the ranks (worker/spare.py); the trainer tests run them under the launcher.
+    assert "[rank 0]" in logs.text and "[rank 1]" in logs.text and "(warm trainer" in logs.text
     listed = api.get("/jobs", params={"status": "succeeded"}).json()["data"]
     assert job["id"] in [j["id"] for j in listed]
     assert final["progress"]["cpu_seconds"] > 0

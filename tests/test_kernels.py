@@ -86,6 +86,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _bf16_against_fp32() -> tuple[LlamaConfig, LlamaForCausalLM, LlamaForCausalLM, LlamaForCausalLM]:
+    """A small Llama on the GPU three times with the same weights: fp32 (the reference), stock bf16, and bf16 for
+    the plan under test."""
+    config = _config(hidden=256, layers=2, heads=8, kv_heads=2, vocab=1000)
+    exact = _model(config, None, "cuda", torch.float32)
+    state = exact.state_dict()
+    return config, exact, _model(config, state, "cuda", torch.bfloat16), _model(config, state, "cuda", torch.bfloat16)
+
+
+Figures = tuple[float, dict[str, torch.Tensor]]
+
+
+def _assert_no_further_from_fp32(plan: Figures, stock: Figures, exact: Figures) -> None:
+    """bf16's own error sets the bar: the plan may not be much further from fp32 than the stock bf16 model."""
+    (loss, grads), (loss_stock, grads_stock), (loss_exact, grads_exact) = plan, stock, exact
+    assert abs(loss - loss_exact) <= 2 * abs(loss_stock - loss_exact) + 1e-3 * abs(loss_exact)
+    for name, g in grads.items():
+        err, err_stock = _rel(g, grads_exact[name]), _rel(grads_stock[name], grads_exact[name])
+        assert err <= 2 * err_stock + 1e-2, (name, err, err_stock)
+
+
 def _job(**deepspeed: Any) -> Any:
     return resolve(JobSpec.model_validate({"model": {"name_or_path": "/m"}, "data": {"train": "/d"},
                                            "deepspeed": deepspeed, "resources": {"num_gpus": 1}}))
@@ -220,11 +241,7 @@ def test_the_cuda_plan_matches_the_stock_model(elementwise: str) -> None:
     against the stock sdpa model with its fp32 cross entropy, both against an fp32 stock reference."""
     if elementwise == "liger" and kernels.liger()[0] is None:
         pytest.skip(f"liger-kernel is not importable here: {kernels.liger()[1]}")
-    config = _config(hidden=256, layers=2, heads=8, kv_heads=2, vocab=1000)
-    exact = _model(config, None, "cuda", torch.float32)
-    state = exact.state_dict()
-    stock = _model(config, state, "cuda", torch.bfloat16)
-    fast = _model(config, state, "cuda", torch.bfloat16)
+    config, exact, stock, fast = _bf16_against_fp32()
     plan = KernelPlan(attention="varlen", elementwise=elementwise, fused_loss=elementwise == "liger")
     kernels.apply(fast, plan)
     kernels.compile_for(fast, plan)
@@ -233,8 +250,39 @@ def test_the_cuda_plan_matches_the_stock_model(elementwise: str) -> None:
     loss_exact, grads_exact = _loss_and_grads(exact, batch, "cuda")
     loss_stock, grads_stock = _loss_and_grads(stock, batch, "cuda")
     loss, grads = _loss_and_grads(fast, batch, "cuda")
-    # bf16's own error sets the bar: the plan may not be much further from fp32 than the stock bf16 model.
-    assert abs(loss - loss_exact) <= 2 * abs(loss_stock - loss_exact) + 1e-3 * abs(loss_exact)
-    for name, g in grads.items():
-        err, err_stock = _rel(g, grads_exact[name]), _rel(grads_stock[name], grads_exact[name])
-        assert err <= 2 * err_stock + 1e-2, (name, err, err_stock)
+    _assert_no_further_from_fp32((loss, grads), (loss_stock, grads_stock), (loss_exact, grads_exact))
+
+
+def _preference_loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], weights: torch.Tensor,
+                               ) -> tuple[float, dict[str, torch.Tensor]]:
+    """A weighted sum of every packed document's log-probability, through the trainer's dpo call."""
+    model.zero_grad(set_to_none=True)
+    starts = batch["position_ids"] == 0
+    # Each document its own sequence, numbered across the batch; padding continues its document, as packed.
+    segment_ids = (starts.flatten().cumsum(0) - 1).view_as(starts)
+    logp, count = kernels.label_logps(model, {k: v.clone() for k, v in batch.items()}, "cuda", segment_ids,
+                                      int(starts.sum()))
+    loss = (logp * weights.to(logp.device)).sum()
+    loss.backward()
+    assert int(count.sum()) > 0
+    return float(loss.detach()), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
+                                  if p.grad is not None}
+
+
+@pytest.mark.skipif(not CUDA, reason=NEEDS_CUDA)
+def test_the_dpo_head_on_scored_positions_matches_the_stock_logits_on_cuda() -> None:
+    """bf16 on the GPU, a dpo job's plan (varlen attention, Liger's elementwise kernels, the LM head applied to the
+    scored positions alone, chunked) against the stock model's full logits, both against fp32."""
+    if kernels.liger()[0] is None:
+        pytest.skip(f"liger-kernel is not importable here: {kernels.liger()[1]}")
+    config, exact, stock, fast = _bf16_against_fp32()
+    kernels.apply(fast, KernelPlan(attention="varlen", elementwise="liger"))
+    batch = _packed_batch(config.vocab_size, rows=4, seq=256, seed=9)
+    batch["labels"][:, :40] = IGNORE  # a prompt: positions the head must skip
+    weights = torch.randn(int((batch["position_ids"] == 0).sum()), generator=torch.Generator().manual_seed(1))
+    loss_exact, grads_exact = _preference_loss_and_grads(exact, batch, weights)
+    loss_stock, grads_stock = _preference_loss_and_grads(stock, batch, weights)
+    assert not getattr(stock, kernels.HEAD_ATTR, False)
+    loss, grads = _preference_loss_and_grads(fast, batch, weights)
+    assert getattr(fast, kernels.HEAD_ATTR, False)
+    _assert_no_further_from_fp32((loss, grads), (loss_stock, grads_stock), (loss_exact, grads_exact))

@@ -29,6 +29,9 @@ FIGURES = PREFERENCE_METRICS
 DPO = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 1, "batch_size": 8,
                                                   "learning_rate_multiplier": 1}}}
 
+LONG_PAIR = {"input": {"messages": [{"role": "user", "content": "The quick brown fox " * 60}]},
+             "preferred_output": [{"role": "assistant", "content": "Blue."}],
+             "non_preferred_output": [{"role": "assistant", "content": "A horse."}]}
 
 def lines(rows: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
@@ -45,7 +48,9 @@ def owner(stack: Stack, stack_env: dict[str, str]) -> Iterator[Owner]:
 def files(owner: Owner) -> dict[str, str]:
     return {"train": owner.upload(lines(pairs(240, seed=1, shape="openai")), "pairs.jsonl"),
             "validation": owner.upload(lines(pairs(40, seed=2, shape="openai")), "held-out.jsonl"),
-            "chat": owner.upload(chat_lines(16), "chat.jsonl")}
+            "chat": owner.upload(chat_lines(16), "chat.jsonl"),
+            # Every prompt beyond the deployment's seq_len (64 tokens): no pair leaves room for an answer.
+            "long": owner.upload(lines([LONG_PAIR] * 3), "long.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,7 @@ DPO_BETA = "method.dpo.hyperparameters.beta"
     ({"training_file": "train"}, "training_file", "supervised"),  # pairs for a supervised job
     ({"training_file": "chat", "method": DPO}, "training_file", "dpo"),
     ({"validation_file": "chat", "method": DPO}, "validation_file", "dpo"),
+    ({"training_file": "long", "method": DPO}, "training_file", "within seq_len 64"),
     ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}}}, DPO_BETA, "above 0"),
     ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": -0.5}}}}, DPO_BETA, "above 0"),
     ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": "strong"}}}}, DPO_BETA, '"auto"'),

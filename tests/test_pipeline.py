@@ -1,6 +1,6 @@
 """Pipeline parallelism (resources.pipeline_stages) under the real launcher on CPU ranks (gloo, no mocks).
 
-Four launches share one tiny 4-layer Llama: the plain engine on 2 ranks (the reference), P = 2 on 2 ranks
+Four launches share one tiny 4-layer Llama: the plain engine on 1 rank (the reference), P = 2 on 2 ranks
 (checkpoints, eval, export), the same P = 2 job resumed from its step-2 checkpoint, and P = 2 × DP 2 on 4
 ranks. All run fp32 ZeRO-1 on the same rows with the same global batch, so the pipelined losses must equal
 the reference's up to float32 summation order (see LOSS_RTOL). The refusals at submit need no launch.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: str, four_layer_model
     tmp = tmp_path_factory.mktemp("pipeline")
     train = tmp / "train.txt"
     train.write_text(corpus)
-    plain = _job(four_layer_model, train, 2, 1)
+    # The reference is the plain engine's arithmetic, not a data-parallel property: one process, accumulating the
+    # same global batch, holds it.
+    plain = _job(four_layer_model, train, 1, 1)
     out: dict[str, Any] = {"tmp": tmp, "lr": plain["hyperparameters"]["learning_rate"]}
-    out["plain"] = _run(tmp, plain, "plain", 2)
+    out["plain"] = _run(tmp, plain, "plain", 1)
     out["p2"] = _run(tmp, _job(four_layer_model, train, 2, 2), "p2", 2)
     # Resume: a fresh job directory holding only the P = 2 run's committed step-2 checkpoint.
     resumed_dir = tmp / "p2-resumed"
@@ -257,9 +260,10 @@ def _family_model(family: str) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def single_process_group() -> None:
+def single_process_group() -> Iterator[None]:
     """PipelineModule needs a process group; one gloo process is enough to build and run all stages in one."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from tests.trainer_support import free_port
 
@@ -267,7 +271,14 @@ def single_process_group() -> None:
            "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    deepspeed.init_distributed(dist_backend="gloo")
+    with pytest.MonkeyPatch.context() as patch:
+        # As the trainer does (trainer/recipe.py): on the CPU, DeepSpeed would otherwise compile its shared-memory
+        # all-reduce op into this process's extensions folder, where none is prebuilt, for collectives that building
+        # and running the stages never call.
+        builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            patch.setitem(deepspeed.ops.__compatible_ops__, builder.NAME, False)
+        deepspeed.init_distributed(dist_backend="gloo")
     yield
     for key, value in saved.items():
         if value is None:

@@ -17,6 +17,7 @@ import redis
 
 from contract.protocol import NODES_SET, attempt_key, gang_stop_key, node_key
 from tests.helpers import events_of, job_processes, wait_for, wait_no_processes, wait_status
+from tests.preference_support import write_pairs
 
 END = {"succeeded", "failed", "cancelled"}
 
@@ -151,7 +152,9 @@ def test_a_two_node_job_trains_as_one_world_and_a_lost_node_requeues_the_whole_g
 
 
 def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_every_node(
-        api: httpx.Client, stack: Any, make_job: Any) -> None:
+        api: httpx.Client, stack: Any, make_job: Any, roots: dict[str, Any]) -> None:
+    # The second gang is a dpo job: preference training runs across nodes as one world as supervised training does.
+    write_pairs(roots["data"] / "duo" / "pairs.jsonl", 200, seed=1)
     for name in ("duo-a", "duo-b"):
         stack.start_worker(name, queues="duo", slots=1)
     try:
@@ -159,8 +162,11 @@ def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_
             wait_for(lambda n=name: (x := node(api, n)) and x["state"] == "up", 60, f"node {name} up")
         spec = make_job(name="duo", hyperparameters={"max_steps": 100_000},
                         resources={"num_gpus": 1, "num_nodes": 2, "queue": "duo"})
+        dpo = make_job(name="duo-dpo", hyperparameters={"max_steps": 100_000},
+                       data={"train": "duo/pairs.jsonl", "validation": None}, method={"type": "dpo"},
+                       resources={"num_gpus": 1, "num_nodes": 2, "queue": "duo"})
         # Two gangs that each need both nodes, submitted together: one gets both, the other none.
-        jobs = [api.post("/jobs", json=spec).json() for _ in range(2)]
+        jobs = [api.post("/jobs", json=body).json() for body in (spec, dpo)]
         ids = [j["id"] for j in jobs]
         first = wait_for(lambda: next((j for j in ids if api.get(f"/jobs/{j}").json()["placement"]), None), 20,
                          "one gang placed")
@@ -182,6 +188,9 @@ def test_gangs_under_contention_never_hold_part_of_a_placement_and_cancel_stops_
         placed = wait_for(lambda: api.get(f"/jobs/{second}").json()["placement"], 30, "the second gang placed")
         assert sorted(p["node"] for p in placed) == ["duo-a", "duo-b"]
         wait_for(lambda: progressing(api, second), 240, "the second gang training")
+        (started,) = events_of(api, ids[1], ["started"])
+        assert started["method"] == "dpo" and started["world_size"] == 2, started
+        assert "rewards/margins" in events_of(api, ids[1], ["progress"])[0]
         api.post(f"/jobs/{second}/cancel")
         assert wait_status(api, second, END, 30)["status"] == "cancelled"
         wait_no_processes(second, 15, "no rank of the second gang on any node")
@@ -324,6 +333,19 @@ def test_a_deploy_of_one_node_of_a_gang_releases_it_and_it_resumes_from_that_che
         first_step = next(e["step"] for e in evs if e["type"] == "progress" and e["attempt"] == 2)
         assert first_step == saved + 1
         wait_no_processes(job["id"], 15, "no process of the job left on any node")
+
+        # A gang's time limit stops it the same way (SIGTERM, the ranks' vote, a checkpoint), but ends the job: the
+        # part whose ranks stopped with the timed-out part's leaves it the report, and hands nothing back.
+        timed = api.post("/jobs", json=make_job(
+            name="deploy-limit", hyperparameters={"max_steps": 100_000},
+            resources={"num_gpus": 1, "num_nodes": 2, "queue": "deploy", "time_limit_seconds": 15},
+            checkpointing={"every_steps": 1000, "keep_last": 2})).json()
+        ended = wait_status(api, timed["id"], END, 200)
+        assert ended["status"] == "failed" and ended["error"]["code"] == "time_limit", ended["error"]
+        assert ended["attempt"] == 1, ended
+        states = [(e["attempt"], e["status"]) for e in events_of(api, timed["id"], ["state"])]
+        assert not [s for s in states if s[1] in ("released", "lost")], states
+        wait_no_processes(timed["id"], 15, "no process of the timed-out gang left on any node")
     finally:
         for name in started_here:
             stack.stop(name)

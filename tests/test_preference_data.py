@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from contract import datasets
 from contract.datasets import NEEDS_PREFERENCE, NEEDS_SUPERVISED, PreferencePair
 from trainer.data import IGNORE, encode_chat
+from trainer.dpo import scored_tokens
 from trainer.pairs import (
     CHOSEN,
     PROMPT_TOO_LONG,
@@ -303,6 +304,9 @@ def test_packing_keeps_both_sides_of_a_pair_in_one_row(tokenizer: PreTrainedToke
     counts = torch.zeros(6, dtype=torch.long).index_add_(0, batch["sequence_ids"][mask],
                                                          torch.ones(int(mask.sum()), dtype=torch.long))
     assert counts.tolist() == [4, 2, 2, 3, 4, 2]
+    # The trainer's own per-sequence count (trainer/dpo.py), in the blocks' order: every answer token.
+    assert scored_tokens(blocks).tolist() == [2, 4, 2, 2, 4, 3, 9, 9]
+    assert scored_tokens(pack_pairs(pairs, seq_len, pad_id=0, packing=False)).tolist() == [2, 2, 4, 9, 4, 2, 3, 9]
 
 
 def test_unpacked_rows_are_the_chosen_then_the_rejected() -> None:

@@ -145,16 +145,14 @@ def _packed(pairs: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.T
 
 
 def _layout_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    if "segment_ids" in batch:
-        extra = {}
-        if getattr(model, kernels.PLAN_ATTR, kernels.STOCK).attention == "varlen":
-            # As kernels.token_loss_sum hands the trainer's varlen attention its documents.
-            extra["ft_segments"] = kernels.segments(batch["position_ids"], tuple(batch["input_ids"].shape))
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       **extra).logits
-        return sequence_logps(logits, batch["labels"], batch["segment_ids"], num_segments=2 * PAIRS)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return sequence_logps(logits, batch["labels"])
+    """The trainer's own call (trainer/dpo.py's): the LM head applied to the scored positions alone, through the
+    attention the model's kernel plan chose (the stock plan unless a test applied another)."""
+    if not getattr(kernels._causal_lm(model), kernels.HEAD_ATTR, False):
+        kernels.apply(model, getattr(model, kernels.PLAN_ATTR, kernels.STOCK))
+    assert getattr(kernels._causal_lm(model), kernels.HEAD_ATTR, False), "the head was not routed"
+    packed = "segment_ids" in batch
+    return kernels.label_logps(model, batch, "cpu", batch["segment_ids"] if packed else None,
+                               2 * PAIRS if packed else None)
 
 
 def _ours(model: torch.nn.Module, ref: torch.nn.Module | None, batch: dict[str, torch.Tensor],
@@ -342,3 +340,35 @@ def test_low_precision_logits_keep_no_vocabulary_wide_fp32_copy_for_backward() -
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
     want, _ = _naive(logits.detach().float(), labels)
     torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_head_equals_the_head_then_log_softmax_and_keeps_no_logits() -> None:
+    """`head_logps` (the LM head on scored positions, chunked, logits recomputed in the backward pass) against the
+    plain head and log_softmax: values and the gradients of the states, the weight and the bias, over chunks that
+    do not divide the rows; at bf16 nothing vocabulary-wide is saved for the backward pass."""
+    from trainer import preference
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    bias = torch.randn(300, generator=g, requires_grad=True)
+    targets = torch.randint(0, 300, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+    want = torch.log_softmax(hidden @ weight.t() + bias, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (hidden, weight, bias))
+    got = preference._HeadLabelLogProb.apply(hidden, weight, bias, targets, 8)  # 5 chunks, the last of 5 rows
+    torch.testing.assert_close(got, want)
+    for got_grad, want_grad in zip(torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias)), want_grads,
+                                   strict=True):
+        torch.testing.assert_close(got_grad, want_grad)
+
+    low = hidden.detach().to(torch.bfloat16).requires_grad_()
+    low_weight = weight.detach().to(torch.bfloat16).requires_grad_()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logp = preference.head_logps(low, low_weight, None, targets)
+    assert not [t for t in saved if t.numel() >= 37 * 300], [(t.dtype, t.shape) for t in saved]
+    logp.sum().backward()
+    assert low.grad is not None and low_weight.grad is not None and low_weight.grad.dtype == torch.bfloat16
+    ref = torch.log_softmax(low.detach().float() @ low_weight.detach().float().t(), dim=-1)
+    torch.testing.assert_close(logp, ref.gather(1, targets.unsqueeze(1)).squeeze(1), rtol=1e-2, atol=5e-2)

@@ -313,3 +313,14 @@ def test_the_swap_folder_is_per_attempt_and_removed_only_for_nvme_jobs(tmp_path:
     other.mkdir()
     assert swap.remove(folder) and not folder.exists()
     assert other.is_dir() and not swap.remove(folder)
+
+
+def test_the_warm_trainers_word_on_the_rank_that_failed_first_beats_what_proc_showed() -> None:
+    from worker.logpump import RankWatch
+
+    watch = RankWatch()
+    watch.see("process 4242 spawned with command: [warm trainer, --local_rank=0, x]")
+    watch.see("process 4243 spawned with command: [warm trainer, --local_rank=1, x]")
+    watch.first_dead = 0  # /proc looked after the reaper had stopped both: the first in its order
+    watch.see("process 4243 (local rank 1) failed first with exit code -9")
+    assert watch.first_dead == 1

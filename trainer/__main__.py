@@ -1,7 +1,6 @@
 """`python -m trainer --spec run.json`: run one attempt of a job and report it as JSON events on stdout.
 
-Exit codes: 0 done (output_dir/COMPLETE written), 1 failed (an `error` event says why), 143 stopped by
-SIGTERM after a committed checkpoint.
+Exit codes: contract/codes.py `TrainerExit`.
 """
 
 from __future__ import annotations
@@ -10,13 +9,11 @@ import argparse
 import sys
 import traceback
 
-from contract.codes import EventKind, FailureCode
+from contract.codes import EventKind, FailureCode, TrainerExit
 from contract.spec import RunSpec
+from trainer import startup
 from trainer.errors import Interrupted, TrainerError
 from trainer.events import emit
-
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 143
 
 
 def _error_code(exc: BaseException) -> str:
@@ -30,6 +27,9 @@ def _error_code(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    created = startup.process_start()
+    if created is not None:
+        startup.mark("process", created)
     parser = argparse.ArgumentParser(prog="python -m trainer")
     parser.add_argument("--spec", required=True, help="path of a RunSpec JSON file")
     # The deepspeed launcher appends --local_rank=K; the rank comes from the environment instead.
@@ -40,20 +40,21 @@ def main(argv: list[str] | None = None) -> int:
             run_spec = RunSpec.model_validate_json(f.read())
     except Exception as exc:
         emit(EventKind.ERROR, code=FailureCode.TRAINER_ERROR, message=f"cannot read run spec {args.spec}: {exc}")
-        return EXIT_FAILED
+        return TrainerExit.FAILED
 
     from trainer import recipe
 
+    startup.mark("imported")
     try:
         recipe.run(run_spec)
-        return 0
+        return TrainerExit.DONE
     except Interrupted:
-        return EXIT_INTERRUPTED
+        return TrainerExit.INTERRUPTED
     except Exception as exc:
         emit(EventKind.ERROR, code=_error_code(exc), message=str(exc) or type(exc).__name__,
              exception=type(exc).__name__)
         traceback.print_exc(file=sys.stderr)
-        return EXIT_FAILED
+        return TrainerExit.FAILED
     finally:
         recipe.cleanup()
 

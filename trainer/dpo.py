@@ -29,7 +29,7 @@ from trainer import kernels
 from trainer.data import IGNORE, read_split
 from trainer.errors import DataError
 from trainer.pairs import PairBlocks, encode_pairs, pack_pairs
-from trainer.preference import DpoLoss, dpo_loss, sequence_logps
+from trainer.preference import DpoLoss, dpo_loss
 
 METRICS = PREFERENCE_METRICS
 ADAPTERS_OFF, PRECOMPUTED, NONE = "adapters_off", "precomputed", "none"
@@ -73,10 +73,7 @@ def load(run_spec: RunSpec, tokenizer: Any, *, packing: bool) -> PairData:
 
 def _logps(engine: Any, batch: dict[str, torch.Tensor], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probabilities and scored tokens of every sequence of the batch, chosen ones first."""
-    n = int(batch["pair_ids"].shape[0])
-    logits = kernels.logits(engine, batch, device)
-    return sequence_logps(logits, batch["labels"].to(device, non_blocking=True),
-                          batch["sequence_ids"].to(device, non_blocking=True), num_segments=n)
+    return kernels.label_logps(engine, batch, device, batch["sequence_ids"], int(batch["pair_ids"].shape[0]))
 
 
 @contextmanager
@@ -193,12 +190,12 @@ def train_step(engine: Any, blocks: PairBlocks, micro_units: list[list[int]], re
 
 def scored_tokens(blocks: PairBlocks) -> torch.Tensor:
     """Per sequence (in the blocks' order), its scored answer tokens."""
-    counts = torch.zeros(int(blocks.seq_row.numel()), dtype=torch.long)
-    scored = blocks.labels != IGNORE
-    for s in range(counts.numel()):
-        row = int(blocks.seq_row[s])
-        counts[s] = int((scored[row] & (blocks.segment_ids[row] == blocks.seq_segment[s])).sum())
-    return counts
+    # Row r's sequences are numbered from row_start[r] in segment order, so a token's sequence is its row's start
+    # plus its segment.
+    scored = (blocks.labels != IGNORE) & (blocks.segment_ids >= 0)
+    sequence = (blocks.row_start[:-1].unsqueeze(1) + blocks.segment_ids)[scored]
+    return torch.zeros(int(blocks.seq_row.numel()), dtype=torch.long).index_add_(
+        0, sequence, torch.ones_like(sequence))
 
 
 class Counts:

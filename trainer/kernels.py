@@ -6,6 +6,8 @@ On CUDA, for Llama-family models (full fine-tunes):
   query against every key of its row and masks most of the result away;
 - RMSNorm, rotary embedding and SwiGLU run Liger's fused Triton kernels, and the LM head is fused with the
   cross entropy (Liger's linear+cross-entropy), so the vocabulary-wide logits never exist in memory;
+- a preference (dpo) job, on any device, applies the LM head to the answer tokens alone, fused with their
+  log-probabilities chunk by chunk (trainer/preference.py's `head_logps`), for the same reason;
 - where liger-kernel is not installed (or `model.kernels` is "torch"), the same three elementwise pieces are
   compiled with torch.compile as small functions of tensors, called from inside the modules: DeepSpeed's
   ZeRO-3 hooks, which sit on every submodule's call, then stay outside every compiled graph.
@@ -25,8 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from contract.codes import Method
 from contract.spec import ResolvedJob
 from trainer.data import IGNORE
+from trainer.preference import head_logps, scored_positions, sequence_logps, sum_by_sequence
 
 # Model types whose modules have the Llama layout the patches below rely on: RMSNorm with `variance_epsilon`,
 # an MLP of gate/up/down projections, and a module-level `apply_rotary_pos_emb(q, k, cos, sin)`.
@@ -35,6 +39,7 @@ LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 # contain "flash": transformers treats such names as requests for its own flash-attn integration.
 VARLEN_ATTENTION = "ft_varlen"
 PLAN_ATTR = "_ft_kernel_plan"
+HEAD_ATTR = "_ft_head_routed"  # on the causal LM whose forward and head `_patch_head` routed
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,10 @@ def choose(job: ResolvedJob, on_gpu: bool, model: torch.nn.Module) -> KernelPlan
     # Today's measured default: compile on CUDA, never with LoRA's wrapped modules.
     want_compile = mode == "on" or (mode == "auto" and on_gpu and spec.lora is None)
     notes: list[str] = []
+    preference = spec.method.type == Method.DPO
+    if preference:
+        notes.append("loss: the LM head applied to the answer tokens alone, fused with their log-probabilities "
+                     "chunk by chunk (the vocabulary-wide logits are never materialised)")
     if spec.lora is not None and on_gpu:
         notes.append("kernels: stock modules with LoRA (the fused kernels are measured on full fine-tunes only)")
 
@@ -122,9 +131,11 @@ def choose(job: ResolvedJob, on_gpu: bool, model: torch.nn.Module) -> KernelPlan
     if family and on_gpu and spec.model.kernels == "auto":
         mods, detail = liger()
         if mods is not None:
-            elementwise, fused_loss = "liger", True
-            notes.append(f"kernels: Liger {detail} fused RMSNorm, rotary, SwiGLU and linear+cross-entropy "
-                         "(the vocabulary-wide logits are never materialised)")
+            elementwise = "liger"
+            fused_loss = not preference
+            notes.append(f"kernels: Liger {detail} fused RMSNorm, rotary, SwiGLU"
+                         + ("" if preference else " and linear+cross-entropy (the vocabulary-wide logits are never "
+                                                  "materialised)"))
         else:
             notes.append(f"kernels: liger-kernel unavailable ({detail}); install the `gpu` extra")
     if elementwise == "stock" and family and want_compile:
@@ -294,12 +305,15 @@ def _liger_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 # --- the loss --------------------------------------------------------------------------------------------
 
-def _fused_head_forward(self: torch.nn.Module, hidden: torch.Tensor,
-                        targets: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head's own call, so ZeRO-3 gathers its weight around it; with targets, the summed cross entropy
-    computed chunk by chunk without the logits."""
+def _head_forward(self: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor | None = None, *,
+                  logps: bool = False) -> torch.Tensor:
+    """The LM head's own call, so ZeRO-3 gathers its weight around it. With targets: the summed cross entropy
+    computed chunk by chunk without the logits (Liger's, where the plan fuses the loss), or with `logps` each row's
+    log-probability of its target (trainer/preference.py's fused head)."""
     if targets is None:
         return F.linear(hidden, self.weight, self.bias)
+    if logps:
+        return head_logps(hidden, self.weight, self.bias, targets)
     functional = liger()[0][0]
     # fp32 accumulation of the head's gradient across chunks: the vocabulary is summed over thousands of tokens.
     return functional.liger_fused_linear_cross_entropy(
@@ -308,20 +322,35 @@ def _fused_head_forward(self: torch.nn.Module, hidden: torch.Tensor,
 
 
 def _loss_forward(self: torch.nn.Module, *args: Any, ft_targets: torch.Tensor | None = None,
-                  **kwargs: Any) -> Any:
-    """The causal LM's forward; given `ft_targets` (labels already shifted left by one), the summed loss."""
-    if ft_targets is None:
+                  ft_scored: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> Any:
+    """The causal LM's forward. Given `ft_targets` (labels already shifted left by one): the summed loss. Given
+    `ft_scored` (flat positions and the token each predicts): those positions' log-probabilities, the head applied
+    to them alone."""
+    if ft_targets is None and ft_scored is None:
         return type(self).forward(self, *args, **kwargs)
     body = getattr(self, self.base_model_prefix)
     hidden = body(*args, **kwargs).last_hidden_state
-    return self.get_output_embeddings()(hidden, ft_targets)
+    head = self.get_output_embeddings()
+    if ft_scored is None:
+        return head(hidden, ft_targets)
+    index, targets = ft_scored
+    return head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), targets, logps=True)
 
 
-def _use_fused_loss(model: torch.nn.Module) -> None:
+def _patch_head(model: torch.nn.Module) -> bool:
+    """Route the causal LM's forward and its head through the functions above (each falls back to the stock
+    call); False where the head is not a plain linear layer (a LoRA-wrapped head, say), which keeps the stock
+    forward."""
     lm = _causal_lm(model)
-    head = lm.get_output_embeddings()
-    head.forward = MethodType(_fused_head_forward, head)
-    lm.forward = MethodType(_loss_forward, lm)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    prefix = getattr(lm, "base_model_prefix", None)
+    if type(head) is not torch.nn.Linear or not prefix or not hasattr(lm, prefix):
+        return False
+    if not getattr(lm, HEAD_ATTR, False):
+        head.forward = MethodType(_head_forward, head)
+        lm.forward = MethodType(_loss_forward, lm)
+        setattr(lm, HEAD_ATTR, True)
+    return True
 
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -341,12 +370,23 @@ def _model_inputs(plan: KernelPlan, batch: dict[str, torch.Tensor],
     return {k: batch[k].to(device, non_blocking=True) for k in names}, extra
 
 
-def logits(engine: Any, batch: dict[str, torch.Tensor], device: str) -> torch.Tensor:
-    """The model's logits for a host batch, through the attention this process chose (a preference loss scores
-    whole sequences from them: trainer/preference.py)."""
-    plan: KernelPlan = getattr(getattr(engine, "module", engine), PLAN_ATTR, STOCK)
+def label_logps(engine: Any, batch: dict[str, torch.Tensor], device: str, segment_ids: torch.Tensor | None,
+                num_segments: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence of a host batch: the summed log-probability of its labelled tokens and their count (the
+    contract of trainer/preference.py's `sequence_logps`), through the attention this process chose. The LM head
+    runs on the scored positions alone, chunk by chunk (`preference.head_logps`); a model whose head could not be
+    routed so takes the stock logits of every position."""
+    model = getattr(engine, "module", engine)
+    plan: KernelPlan = getattr(model, PLAN_ATTR, STOCK)
+    scored = scored_positions(batch["labels"], segment_ids, num_segments=num_segments).to(device)
     inputs, extra = _model_inputs(plan, batch, device)
-    return engine(**inputs, use_cache=False, **extra).logits
+    if getattr(_causal_lm(model), HEAD_ATTR, False):
+        per_token = engine(**inputs, ft_scored=(scored.index, scored.targets), use_cache=False, **extra)
+        return sum_by_sequence(per_token, scored)
+    logits = engine(**inputs, use_cache=False, **extra).logits
+    return sequence_logps(logits, batch["labels"].to(device, non_blocking=True),
+                          None if segment_ids is None else segment_ids.to(device, non_blocking=True),
+                          num_segments=num_segments)
 
 
 def token_loss_sum(engine: Any, batch: dict[str, torch.Tensor], device: str) -> torch.Tensor:
@@ -377,8 +417,7 @@ def apply(model: torch.nn.Module, plan: KernelPlan) -> list[str]:
         _use_varlen_attention(model)
     if plan.elementwise == "liger":
         _patch_elementwise(model, _liger_rms, _liger_silu_mul, _liger_rope)
-    if plan.fused_loss:
-        _use_fused_loss(model)
+    _patch_head(model)
     return list(plan.notes)
 
 

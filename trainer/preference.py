@@ -23,60 +23,148 @@ from trainer.data import IGNORE
 
 # Logits upcast to fp32 at once (64 MiB): 128 tokens' rows at a 128k vocabulary.
 CHUNK_ELEMENTS = 1 << 24
+# Logits the fused head computes at once (512 MiB in fp32): 1,024 positions at a 128k vocabulary, matrix products
+# wide enough to keep a GPU busy.
+HEAD_CHUNK_ELEMENTS = 1 << 27
 
 LossKind = Literal["sigmoid", "ipo"]
 
 
 class _LabelLogProb(torch.autograd.Function):
-    """log softmax(logits)[target] for the rows with a target, without a second vocabulary-wide tensor.
+    """log softmax(logits)[target] at the listed rows, without a second vocabulary-wide tensor.
 
     torch's log_softmax keeps its fp32 output (rows × vocabulary) for the backward pass; here only one logsumexp
-    per row is kept, and the softmax is recomputed chunk by chunk in the backward pass. Rows without a target
-    (prompt, padding) are never touched, as most rows of a preference batch are prompt."""
+    per row is kept, and the softmax is recomputed chunk by chunk in the backward pass. Rows not listed (prompt,
+    padding) are never touched, as most rows of a preference batch are prompt."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        # The scored rows are listed on the host (one synchronisation), as trl's fused head does: they size the loop.
-        scored = (targets != IGNORE).nonzero().flatten()
-        out = torch.zeros(targets.shape[0], dtype=torch.float32, device=logits.device)
-        lse = torch.empty(scored.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, scored.shape[0], chunk):
-            idx = scored[start:start + chunk]
-            rows = logits.index_select(0, idx).float()
-            lse[start:start + chunk] = torch.logsumexp(rows, dim=-1)
-            picked = rows.gather(1, targets[idx].unsqueeze(1)).squeeze(1)
-            out[idx] = picked - lse[start:start + chunk]
-        ctx.save_for_backward(logits, targets, scored, lse)
+    def forward(ctx: Any, logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+        out = torch.empty(index.shape[0], dtype=torch.float32, device=logits.device)
+        lse = torch.empty(index.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, index.shape[0], chunk):
+            end = start + chunk
+            rows = logits.index_select(0, index[start:end]).float()
+            lse[start:end] = torch.logsumexp(rows, dim=-1)
+            out[start:end] = rows.gather(1, targets[start:end].unsqueeze(1)).squeeze(1) - lse[start:end]
+        ctx.save_for_backward(logits, index, targets, lse)
         ctx.chunk = chunk
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, targets, scored, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, index, targets, lse = ctx.saved_tensors
         grad_logits = torch.zeros_like(logits)
-        grad = grad.float()
-        for start in range(0, scored.shape[0], ctx.chunk):
-            idx = scored[start:start + ctx.chunk]
-            g = grad[idx].unsqueeze(1)
-            # d/dx (x[y] - logsumexp(x)) = onehot(y) - softmax(x)
-            d = torch.exp(logits.index_select(0, idx).float() - lse[start:start + ctx.chunk].unsqueeze(1))
-            d.mul_(-g).scatter_add_(1, targets[idx].unsqueeze(1), g)
+        for start in range(0, index.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            idx = index[start:end]
+            d = _softmax_grad(logits.index_select(0, idx).float(), lse[start:end], targets[start:end],
+                              grad[start:end].float())
             grad_logits.index_copy_(0, idx, d.to(grad_logits.dtype))
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
-def _targets(labels: torch.Tensor, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What `logits[:, t]` is scored against (IGNORE at the last position and wherever nothing is), and the
-    sequence each target belongs to (packed only)."""
+def _softmax_grad(rows: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """g · d/dx (x[y] - logsumexp(x)) = g · (onehot(y) - softmax(x)), in place of `rows` (fp32)."""
+    g = g.unsqueeze(1)
+    return rows.sub_(lse.unsqueeze(1)).exp_().mul_(-g).scatter_add_(1, targets.unsqueeze(1), g)
+
+
+class _HeadLabelLogProb(torch.autograd.Function):
+    """log softmax(hidden @ weightᵀ + bias)[target] for hidden states of scored positions only: the LM head and the
+    log-softmax in one, chunk by chunk, so at most one chunk's logits exist, in the forward pass and again (they
+    are recomputed) in the backward pass. The head's matrix products run for the scored positions alone, where
+    the stock head runs them for every position of the batch, prompt and padding included."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = start + chunk
+            rows = F.linear(hidden[start:end], weight, bias).float()
+            lse[start:end] = torch.logsumexp(rows, dim=-1)
+            out[start:end] = rows.gather(1, targets[start:end].unsqueeze(1)).squeeze(1) - lse[start:end]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # fp32 sums of the head's gradient across chunks, as the supervised fused loss keeps them.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+            if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            h = hidden[start:end]
+            d = _softmax_grad(F.linear(h, weight, bias).float(), lse[start:end], targets[start:end],
+                              grad[start:end].float())
+            if grad_hidden is not None:
+                grad_hidden[start:end] = d.to(weight.dtype) @ weight
+            if grad_weight is not None:
+                # Each chunk's product in the weight's dtype, as the stock head's backward computes it.
+                grad_weight.add_(d.to(weight.dtype).t() @ h)
+            if grad_bias is not None:
+                grad_bias.add_(d.sum(0))
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The positions a batch's log-probabilities are read at, worked out from its labels alone (on the host, so
+    nothing waits on the device): `index` into the flattened (rows × T) positions, the token each predicts, the
+    sequence each belongs to, and per sequence how many there are."""
+
+    index: torch.Tensor
+    targets: torch.Tensor
+    owner: torch.Tensor
+    counts: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Scored:
+        return Scored(*(t.to(device, non_blocking=True) for t in (self.index, self.targets, self.owner,
+                                                                  self.counts)))
+
+
+def scored_positions(labels: torch.Tensor, segment_ids: torch.Tensor | None = None, *,
+                     num_segments: int | None = None) -> Scored:
+    """Which positions score which token of which sequence (the layouts of `sequence_logps`)."""
     rows = labels.shape[0]
     ignore_col = labels.new_full((rows, 1), IGNORE)
     targets = torch.cat([labels[:, 1:], ignore_col], dim=1)
     if segment_ids is None:
-        return targets, None
-    owner = torch.cat([segment_ids[:, 1:], segment_ids.new_full((rows, 1), -1)], dim=1)
-    # A document's first token would be scored from the previous document's last state; padding is no sequence.
-    foreign = (owner != segment_ids) | (owner < 0)
-    return targets.masked_fill(foreign, IGNORE), owner.clamp(min=0)
+        owner = torch.arange(rows, device=labels.device).unsqueeze(1).expand_as(labels)
+        num_segments = rows
+    else:
+        owner = torch.cat([segment_ids[:, 1:], segment_ids.new_full((rows, 1), -1)], dim=1)
+        # A document's first token would be scored from the previous document's last state; padding is no sequence.
+        targets = targets.masked_fill((owner != segment_ids) | (owner < 0), IGNORE)
+        if num_segments is None:
+            num_segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+    flat = targets.reshape(-1)
+    index = (flat != IGNORE).nonzero().flatten()
+    owner = owner.reshape(-1)[index]
+    counts = torch.zeros(num_segments, dtype=torch.long, device=labels.device).index_add(
+        0, owner, torch.ones_like(owner))
+    return Scored(index, flat[index], owner, counts)
+
+
+def sum_by_sequence(per_token: torch.Tensor, scored: Scored) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the sum of the scored positions' log-probabilities, and how many there are."""
+    logp = per_token.new_zeros(scored.counts.shape[0]).index_add(0, scored.owner, per_token)
+    return logp, scored.counts
+
+
+def head_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row of `hidden` (scored positions' last states) under the LM head (weight, bias),
+    fp32, without the vocabulary-wide logits."""
+    return _HeadLabelLogProb.apply(hidden, weight, bias, targets, max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0]))
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor | None = None, *,
@@ -99,20 +187,10 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torc
         raise ValueError(f"segment_ids must have the labels' shape {tuple(labels.shape)}, "
                          f"got {tuple(segment_ids.shape)}")
     rows, seq, vocab = logits.shape
-    targets, owner = _targets(labels, segment_ids)
-    chunk = max(1, CHUNK_ELEMENTS // vocab)
-    per_token = _LabelLogProb.apply(logits.reshape(rows * seq, vocab), targets.reshape(-1), chunk)
-    scored = (targets != IGNORE).reshape(-1)
-    if owner is None:
-        return per_token.view(rows, seq).sum(dim=1), scored.view(rows, seq).sum(dim=1)
-    assert segment_ids is not None
-    if num_segments is None:
-        num_segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
-    index = owner.reshape(-1)
-    # Unscored tokens carry index 0 and add exactly 0 to it.
-    logp = per_token.new_zeros(num_segments).index_add(0, index, per_token)
-    count = torch.zeros(num_segments, dtype=torch.long, device=labels.device).index_add(0, index, scored.long())
-    return logp, count
+    scored = scored_positions(labels, segment_ids, num_segments=num_segments)
+    per_token = _LabelLogProb.apply(logits.reshape(rows * seq, vocab), scored.index, scored.targets,
+                                    max(1, CHUNK_ELEMENTS // vocab))
+    return sum_by_sequence(per_token, scored)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from trainer import (
     oom,
     optim,
     pipeline,
+    startup,
     swap,
     tuning,
     uploader,
@@ -219,6 +220,7 @@ def run(run_spec: RunSpec) -> None:
     _seed_everything(hp.seed)
     _skip_shared_memory_collectives()
     deepspeed.init_distributed()
+    startup.mark("distributed")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != job.world_size:
         # Batch sizes were resolved for job.world_size; another world size would silently change them.
@@ -231,6 +233,7 @@ def run(run_spec: RunSpec) -> None:
         run_spec, train_blocks, val_blocks, preference = _pairs_and_batch(run_spec, tokenizer, world)
     else:
         run_spec, train_blocks, val_blocks = _data_and_batch(run_spec, tokenizer, world)
+    startup.mark("data")
     session = Session(run_spec, rank, world, get_accelerator().current_device_name(), stop, location, tokenizer,
                       train_blocks, val_blocks, _rng_snapshot(), oom.ForcedOOM(),
                       uploader.Uploads.for_run(run_spec, rank), preference)
@@ -359,6 +362,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
     spec, hp = job.spec, job.spec.hyperparameters
     train_blocks, tokenizer, location = session.train_blocks, session.tokenizer, session.location
     model = load_model(spec, location, tokenizer)
+    startup.mark("model")
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     swap_folder = swap.attempt_folder(run_spec)
@@ -399,6 +403,7 @@ def _setup_and_train(session: Session, setting: oom.MemorySetting | None, guard:
         model=model, model_parameters=trainable, optimizer=optim.client_optimizer(job, trainable), config=cfg,
         lr_scheduler=scheduler_factory(total_steps=total_steps, warmup_steps=hp.warmup_steps,
                                        kind=hp.lr_schedule, min_lr_ratio=hp.min_lr_ratio))
+    startup.mark("engine")
     del model  # the engine holds it; a retry must be able to free it
     session.forced.install(guard.engine)
     _loop(session, Try(job, setting, guard.engine, scheduler, order, total_steps, n_params, n_trainable,
@@ -525,7 +530,7 @@ def _emit_started(session: Session, run: Try, state: TrainerState) -> None:
                n_trainable_params=run.n_trainable, adjustments=run.adjustments,
                device=get_accelerator().device_name(), attempt=session.run_spec.attempt,
                optimizer=spec.hyperparameters.optimizer, on_oom=spec.resources.on_oom,
-               memory_setting=setting.shown(), method=spec.method.type.value,
+               memory_setting=setting.shown(), method=spec.method.type.value, startup=startup.marks(),
                **({} if session.preference is None else {
                    "pairs": session.preference.stats, "reference": session.preference.reference.mode}))
 

@@ -31,10 +31,18 @@ def argv(extra: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     args = argv(sys.argv[1:])
+    settings = WorkerSettings()
+    if settings.warm_trainer:
+        # The warm trainer imports while the ops are checked and Celery starts, so a job sent as soon as the node
+        # is up finds it ready sooner (worker/warm.py); the Celery process this becomes adopts it.
+        from worker.attempt import spares, trainer_env
+
+        spares(settings).start(trainer_env(extensions_dir(settings)))
+        spares(settings).hand_down()
     # Before the worker takes a job: an op this node became able to build since the ops were prebuilt
     # (libaio-dev installed later) is built now, not by the first job's ranks inside its time limit.
     try:
-        prebuild.ensure(extensions_dir(WorkerSettings()))
+        prebuild.ensure(extensions_dir(settings))
     except RuntimeError as exc:
         sys.exit(f"worker: refusing to start: {exc}")
     os.execv(args[0], args)

@@ -8,7 +8,9 @@ processes themselves worker/process.py.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import resource
 import signal
 import subprocess
@@ -25,27 +27,39 @@ from typing import Any
 import redis
 from obstore.exceptions import BaseError as ObjectStoreError
 
-from contract.codes import EventKind, FailureCode, JobStatus
+from contract.codes import EventKind, FailureCode, JobStatus, TrainerExit
 from contract.protocol import StateField, attempt_key, cancel_key, claim_key
 from contract.spec import AttemptOrder, RunPaths, RunSpec, StoreRef
 from store import checkpoints as stored
 from store.objects import Store, error_line
 from trainer import fence, swap
-from worker import checkpoints, export_store, inputs
+from worker import checkpoints, export_store, inputs, warm
 from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
 from worker.ops import extensions_dir, release_stale_build_locks
 from worker.outcome import Outcome, Status, classify_failure, read_completion, server_paths
-from worker.process import GangLaunch, kill_group, launcher_argv, project_env, spawn, wait_group_gone
+from worker.process import (
+    GangLaunch,
+    free_port,
+    kill_group,
+    launcher_argv,
+    project_env,
+    spawn,
+    wait_group_gone,
+)
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
+from worker.spare import TAKEN
 
 log = logging.getLogger(__name__)
 FENCED = "FENCED"  # left in the attempt's folder by the guard that ended it (worker/guard.py)
 # After a rank of a multi-node attempt reported its error, how long this node's processes get to exit by
 # themselves: the world is broken, and a rank whose peer died can hang in its process group's teardown.
 RANK_ERROR_GRACE_SECONDS = 5.0
+# Why a deploy's SIGTERM hands an attempt back (its `released` state says so).
+SHUT_DOWN = "the worker shut down (SIGTERM) after the trainer saved a checkpoint"
+GANG_INTERRUPTED = "another node's worker shut down: this node's ranks saved the checkpoint with the gang's"
 
 
 class Running:
@@ -96,7 +110,7 @@ class Attempt:
 
     def __init__(self, *, job_id: str, attempt: int, job_dir: Path, run: dict[str, Any],
                  settings: WorkerSettings, client: redis.Redis,
-                 stopping: Callable[[], bool] = lambda: False) -> None:
+                 stopping: Callable[[], bool] = lambda: False, disk_full: Callable[[], bool] = lambda: False) -> None:
         self.job_id, self.attempt, self.job_dir = job_id, attempt, job_dir
         self.attempt_dir = job_dir / "attempts" / str(attempt)
         # As sent; execute() validates it once and works on typed values from then on.
@@ -124,7 +138,13 @@ class Attempt:
         self.usage: dict[str, float] = {}
         self.rank_watch = RankWatch()
         self.stopping = stopping
+        self.disk_full = disk_full
         self.deadline = float("inf")  # monotonic: the job's time limit, once its ranks were launched
+        # From the launch on, the attempt's own processes may be writing: a full disk may then be the job's doing.
+        self.launched = False
+        # When this node took the attempt and started its processes (epoch s): the worker's part of the start-up
+        # that the trainer's `started` event shows beside its own (trainer/startup.py).
+        self.startup: dict[str, float] = {"picked_up": time.time()}
 
     # -- Redis I/O that must survive a Redis hiccup without losing the job --------------------------
     def note(self, line: str, **where: str) -> None:
@@ -170,6 +190,8 @@ class Attempt:
             kind = str(event.pop("event"))
             if kind == EventKind.ERROR and self.trainer_error is None:
                 self.trainer_error = event
+            if kind == EventKind.STARTED:
+                event["startup"] = {**self.startup, **(event.get("startup") or {})}
             if kind == EventKind.STARTED and not self.running_reported:
                 self.running_reported = True
                 self.pending.append((EventKind.STATE, {"status": JobStatus.RUNNING}))
@@ -225,12 +247,16 @@ class Attempt:
                 if gang is None:
                     return self.decide(self.control(), None, output_dir, 0)
             time_limit = spec.job.spec.resources.time_limit_seconds
+            self.launched = True
             run = self.launch(spec, spec_file, log_dir, ext_dir, gang)
             deadline = self.deadline = time.monotonic() + time_limit
             try:
                 self.watch(run, deadline)
             finally:
                 gone = self.end(run)
+                if self.settings.warm_trainer:
+                    # Now, not when the last one was taken: its imports would have slowed this attempt's start.
+                    spares(self.settings).start(trainer_env(ext_dir))
             return self.conclude(run, gone, ext_dir, output_dir, time_limit)
 
     def renewing(self, name: str, work: Callable[[], None]) -> BaseException | None:
@@ -296,22 +322,66 @@ class Attempt:
     def launch(self, spec: RunSpec, spec_file: Path, log_dir: Path, ext_dir: Path,
                gang: GangLaunch | None) -> Launched:
         s = self.settings
-        env = project_env(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(ext_dir))
+        env = trainer_env(ext_dir)
         if spec.placement is not None and spec.placement.kind != "cpu":
             # The launcher would otherwise read it as the devices to use; --include names them instead.
             env.pop("CUDA_VISIBLE_DEVICES", None)
+        if gang is None and s.warm_trainer:
+            warm_run = self.launch_warm(spec, spec_file, log_dir, env)
+            if warm_run is not None:
+                return warm_run
         argv = launcher_argv(s.python or sys.executable, spec.job.world_size, spec_file, log_dir,
                              spec.placement, gang)
         self.note("$ " + " ".join(argv))
         # The growth of the worker's children's CPU time: this job's alone on a node running one job at a time;
         # with several jobs at once it also counts the others' children that ended meanwhile (an upper bound).
         before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+        self.startup["spawned"] = time.time()
         proc = spawn(argv, env=env, cwd=self.job_dir, guard=self.guard_args(), priority=s.trainer_priority)
         reader = LineReader(proc.stdout)  # type: ignore[arg-type]
         reader.start()
         ranks = RankLogTail(log_dir)
         self.rank_watch.start()
         return Launched(proc, reader, ranks, before, started)
+
+    def launch_warm(self, spec: RunSpec, spec_file: Path, log_dir: Path, env: dict[str, str]) -> Launched | None:
+        """The ranks forked by the node's warm trainer, which becomes the attempt's guard (worker/spare.py); None
+        when there is none to take or it refused, and the launcher starts them."""
+        s = self.settings
+        spare = spares(s).take(env)
+        if spare is None:
+            return None
+        share = spec.placement
+        if share is not None and share.kind != "cpu":
+            devices = list(share.devices)
+        else:
+            # As the launcher's --num_gpus N: devices 0..N-1, whatever slots the control plane counted.
+            devices = [str(i) for i in range(len(share.devices) if share is not None else spec.job.world_size)]
+        request = warm.Request(guard=self.guard_args(), worker_pid=os.getpid(), env=env, cwd=str(self.job_dir),
+                               umask=warm.current_umask(), rlimits=warm.process_limits(), log_dir=str(log_dir),
+                               priority=s.trainer_priority, world=len(devices), master_port=free_port(),
+                               devices=devices, trainer_args=["--spec", str(spec_file)])
+        before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+        self.startup["spawned"] = time.time()
+        # A spare still importing answers when it is done: the lease is kept meanwhile, as for a download.
+        answered: list[tuple[str, list[str]]] = []
+        failed = self.renewing("warm", lambda: answered.append(warm.hand_over(spare, request)))
+        if failed is not None:
+            warm.end(spare)
+            raise failed
+        answer, said = answered[0]
+        for line in said:
+            self.note(line)
+        if answer != TAKEN:
+            self.note(f"the warm trainer could not take the attempt ({answer}); the DeepSpeed launcher starts it")
+            return None
+        self.note(f"$ (warm trainer {spare.pid}) forks {len(devices)} rank(s) of python -u -m trainer "
+                  f"--local_rank=K --spec {spec_file}")
+        reader = LineReader(spare.stdout)  # type: ignore[arg-type]
+        reader.start()
+        ranks = RankLogTail(log_dir)
+        self.rank_watch.start()
+        return Launched(spare, reader, ranks, before, started)
 
     def watch(self, run: Launched, deadline: float) -> None:
         """Pump, heartbeat and obey until the launcher exits."""
@@ -347,10 +417,12 @@ class Attempt:
             kill_group(run.pgid, signal.SIGKILL)
         elif now >= deadline:
             run.reason, run.term_at = FailureCode.TIME_LIMIT, now
+            self.gang.say_term(run.reason)
             kill_group(run.pgid, signal.SIGTERM)  # the trainer saves a checkpoint on SIGTERM
         elif self.stopping():
             # The worker is shutting down (a deploy): checkpoint, then hand the job back.
-            run.reason, run.term_at = "released", now
+            run.reason, run.term_at = Status.RELEASED, now
+            self.gang.say_term(run.reason)
             kill_group(run.pgid, signal.SIGTERM)
             self.note("the worker is shutting down: the trainer saves a checkpoint and the job is requeued to "
                       "resume from it")
@@ -436,10 +508,29 @@ class Attempt:
         completion = read_completion(output_dir)
         if completion is not None:
             return self.export(completion, output_dir, time_limit)
-        if reason == "released":
+        if reason == Status.RELEASED:
             return Outcome(Status.RELEASED)
-        return Outcome(Status.FAILED, error=classify_failure(exit_code, self.trainer_error, list(self.tail),
-                                                             first_dead_rank=self.rank_watch.first_dead))
+        if self.gang.multi and reason is None and exit_code == TrainerExit.INTERRUPTED:
+            # Another part sent its ranks SIGTERM, and this part's stopped with them at the checkpoint they voted.
+            why = self.gang.term_why()
+            if why == Status.RELEASED:
+                # That node's worker shuts down (a deploy): this part hands the attempt back too, rather than fail
+                # it or wait on that part's hand-back, which a loaded node may give only after this part's look
+                # for its lapsed lease (another_part_reports) has ended.
+                return Outcome(Status.RELEASED, reason=GANG_INTERRUPTED)
+            if why is not None:
+                self.gang.part_over()  # that part's time limit: its report is the job's end
+                return Outcome(Status.STALE)
+        # A trainer's ENOSPC (a checkpoint's write) is classified disk_full and fails the job, never handed back
+        # as a full disk before the launch is: the job's own writes may be what filled it (supervise says more).
+        error = classify_failure(exit_code, self.trainer_error, list(self.tail),
+                                 first_dead_rank=self.rank_watch.first_dead)
+        if error["code"] == FailureCode.TRAINER_ERROR and self.trainer_error is None and self.disk_full():
+            # The ranks' own logs are on this disk: a trainer that died of a full disk could write nothing of why.
+            error = {**error, "code": FailureCode.DISK_FULL,
+                     "message": f"the trainer exited with code {exit_code} without completing while the disk of "
+                                f"node {self.node or worker_id()} was full: its ranks' logs could not be written"}
+        return Outcome(Status.FAILED, error=error)
 
     def export(self, completion: dict[str, Any], output_dir: Path, time_limit: int) -> Outcome:
         """Node 0 found the completion marker: the job succeeds only once its export is in the artifact store."""
@@ -484,7 +575,7 @@ class Attempt:
         if outcome.status is Status.STALE:
             return
         if outcome.status is Status.RELEASED:
-            self.hand_back()
+            self.hand_back(outcome.reason or SHUT_DOWN)
             return
         if self.gang.multi and outcome.status is not Status.SUCCEEDED and outcome.status is not Status.FAILED:
             self.gang.stop_others()
@@ -509,13 +600,31 @@ class Attempt:
             return True
         return False
 
-    def hand_back(self) -> None:
+    def hand_back(self, reason: str) -> None:
         self.flush()
         # No terminal state: the job is not over. The control plane requeues it as the next attempt,
-        # which resumes from the checkpoint just saved. Every process of the attempt is gone by now,
+        # which resumes from the newest committed checkpoint. Every process of the attempt is gone by now,
         # so the lease goes too: nothing needs the usual grace before the next attempt may start.
-        self.lease.hand_back({"reason": "the worker shut down (SIGTERM) after the trainer saved a checkpoint",
-                              "worker": self.lease.owner, "stream_id": self.pub.last_id})
+        self.lease.hand_back({"reason": reason, "worker": self.lease.owner, "stream_id": self.pub.last_id})
+
+    def no_room(self, exc: OSError, announce: Callable[[], None]) -> Outcome:
+        """The node's disk was full before any process of the attempt started, so nothing of the job filled it: the
+        job is handed back (requeued, not counted as a lost worker) to run where there is room, not failed. The
+        node's announcement is renewed first, so the scheduler reads the full disk before it places the job again
+        (controlplane/scheduler.py: a full node is placed on no more)."""
+        announce()
+        reason = (f"node {self.node or worker_id()}'s disk is full ({exc.strerror or 'no space left on device'}) "
+                  f"before the attempt started: the job goes back to the queue")
+        self.note(reason, **self.where)
+        if self.gang.multi and not self.gang.claim_failure():
+            # Another part failed first and stopped the gang: its report is the job's, and a hand-back beside it
+            # would race it into a requeue.
+            self.gang.part_over()
+            self.flush()
+            return Outcome(Status.STALE)
+        # A multi-node part holds the gang's stop key now: the other parts stop at once and report nothing, and
+        # this part's hand-back (its lease gone, `released` set) makes the control plane requeue the whole job.
+        return Outcome(Status.RELEASED, reason=reason)
 
     def send_state(self, outcome: Outcome) -> None:
         data: dict[str, Any] = {"status": outcome.status.value, "usage": self.usage}
@@ -545,10 +654,41 @@ class Attempt:
             delay = min(delay * 2, 5.0)
 
 
+def trainer_env(ext_dir: Path) -> dict[str, str]:
+    """The environment every attempt's launcher (or warm trainer) on this node starts with."""
+    env = project_env(PYTHONUNBUFFERED="1", TORCH_EXTENSIONS_DIR=str(ext_dir))
+    env.pop(warm.HANDED_DOWN, None)
+    return env
+
+
+_spares: warm.Spares | None = None
+_spares_lock = threading.Lock()
+
+
+def spares(settings: WorkerSettings) -> warm.Spares:
+    """This worker process's warm trainer (worker/warm.py)."""
+    global _spares
+    with _spares_lock:
+        if _spares is None:
+            _spares = warm.Spares(settings.python or sys.executable, settings.jobs_root)
+        return _spares
+
+
+def warm_up(settings: WorkerSettings) -> None:
+    """Have the node's warm trainer importing before its first attempt comes: the one `python -m worker` started
+    before it became this process, or a new one."""
+    if settings.warm_trainer:
+        env = trainer_env(extensions_dir(settings))
+        spares(settings).adopt(env)
+        spares(settings).start(env)
+    else:
+        spares(settings).adopt({})  # ends one handed down against the setting
+
+
 def node_job_dir(settings: WorkerSettings, job_id: str) -> Path:
     """The job's folder under this node's own FT_ARTIFACTS_ROOT. A node's folder is scratch: what must outlive the
     node (checkpoints, the export) is in the artifact store, so no node needs another's disk."""
-    return Path(settings.artifacts_root).expanduser().resolve() / "jobs" / job_id
+    return settings.jobs_root / job_id
 
 
 def node_paths(job_dir: Path, store: StoreRef) -> RunPaths:
@@ -556,10 +696,16 @@ def node_paths(job_dir: Path, store: StoreRef) -> RunPaths:
                     output_dir=str(job_dir / "output"), store=store)
 
 
+def no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
 def supervise(*, job_id: str, attempt: int, run: dict[str, Any], settings: WorkerSettings,
-              client: redis.Redis | None = None, stopping: Callable[[], bool] = lambda: False) -> Status:
+              client: redis.Redis | None = None, stopping: Callable[[], bool] = lambda: False,
+              announce: Callable[[], None] = lambda: None, disk_full: Callable[[], bool] = lambda: False) -> Status:
     """Run one attempt to its end; `run` is the AttemptOrder as sent, `stopping` says when the worker itself is
-    shutting down."""
+    shutting down, `announce` renews the node's announcement now and `disk_full` says whether its disk is full now
+    (worker/celery_app.py)."""
     r = client or redis.Redis.from_url(settings.redis_url)
     current = r.get(attempt_key(job_id))
     if current is not None and int(current) != attempt:
@@ -570,8 +716,7 @@ def supervise(*, job_id: str, attempt: int, run: dict[str, Any], settings: Worke
         log.info("job %s attempt %s was already taken: nothing to do", job_id, attempt)
         return Status.STALE
     att = Attempt(job_id=job_id, attempt=attempt, job_dir=node_job_dir(settings, job_id), run=run, settings=settings,
-                  client=r,
-                  stopping=stopping)
+                  client=r, stopping=stopping, disk_full=disk_full)
     att.lease.renew(settings.lease_ttl_seconds)
     if r.exists(cancel_key(job_id)):
         outcome = Outcome(Status.CANCELLED)
@@ -582,7 +727,18 @@ def supervise(*, job_id: str, attempt: int, run: dict[str, Any], settings: Worke
             with RUNNING:
                 outcome = att.execute()
         except Exception as exc:  # a supervisor bug must still end the job visibly
-            log.exception("supervising job %s failed", job_id)
-            outcome = Outcome(Status.FAILED, error={"code": FailureCode.WORKER_ERROR, "message": repr(exc)})
+            if no_space(exc) and not att.launched:
+                # The node's disk, full before the launch (the fence, the spec, the logs' folder): not the job's fault.
+                log.warning("job %s attempt %s: the node's disk is full before the launch: %s", job_id, attempt, exc)
+                outcome = att.no_room(exc, announce)
+            else:
+                log.exception("supervising job %s failed", job_id)
+                # A full disk once the attempt's processes ran is named as the trainer's own ENOSPC is (worker/
+                # outcome.py), and fails the job: its own writes (checkpoints, the export) may be what filled the
+                # disk, and handed back it would fill the next node's too, or this one's again once freed, a loop
+                # that no count of lost workers ends.
+                full = no_space(exc)
+                outcome = Outcome(Status.FAILED, error={
+                    "code": FailureCode.DISK_FULL if full else FailureCode.WORKER_ERROR, "message": repr(exc)})
     att.report(outcome)
     return outcome.status

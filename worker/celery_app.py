@@ -16,7 +16,7 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 from kombu.transport import redis as kombu_redis
 
-from worker.node import Announcer, NameTaken, NodeSettings, describe, own_queue_only
+from worker.node import Announcer, NameTaken, NodeSettings, describe, disk_state, own_queue_only
 from worker.settings import WorkerSettings
 
 settings = WorkerSettings()
@@ -63,7 +63,8 @@ def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
     record = describe(node, served, jobs_max=int(getattr(instance, "concurrency", 1) or 1))
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     announcer = Announcer(client, record, heartbeat=settings.heartbeat_seconds, ttl=settings.lease_ttl_seconds,
-                          on_lost=_leave_node)
+                          on_lost=_leave_node,
+                          disk=functools.partial(disk_state, settings.jobs_root, node.min_free_bytes))
     while True:
         try:
             announcer.claim()
@@ -87,6 +88,22 @@ def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
 def _announce(**_: Any) -> None:
     if _announcer is not None:
         _announcer.start()
+    from worker.attempt import warm_up
+
+    warm_up(settings)
+
+
+def disk_full_now() -> bool:
+    """Whether the node's disk is full now, as its next announcement will say (worker/node.py `disk_state`)."""
+    disk = _announcer.disk if _announcer is not None else None
+    return disk is not None and bool(disk().get("disk_full"))
+
+
+def announce_now() -> None:
+    """Renew the node's announcement now rather than at the next heartbeat: an attempt that found the disk full
+    hands its job back, and the scheduler must read the full disk before it places that job again."""
+    if _announcer is not None:
+        _announcer.beat()
 
 
 @worker_shutting_down.connect
@@ -101,6 +118,9 @@ def _release_name(**_: Any) -> None:
     # The pool has finished (its jobs handed back): the name is free for a worker restarted under it.
     if _announcer is not None:
         _announcer.release()
+    from worker.attempt import spares
+
+    spares(settings).close()
 
 
 # -- a broker outage must not end the worker -----------------------------------------------------------

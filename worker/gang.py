@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from contract.protocol import gang_stop_key, lease_key, part_done_key, rendezvous_key
+from contract.protocol import gang_stop_key, gang_term_key, lease_key, part_done_key, rendezvous_key
 from contract.spec import NodeShare
 from worker.lease import KEEP_SECONDS, Lease
 from worker.process import GangLaunch, free_port
@@ -96,6 +96,24 @@ class GangPart:
             self.r.set(self.stop_key, self.stop_mark, ex=KEEP_SECONDS)
         except redis.RedisError as exc:
             log.warning("could not stop the other parts (their guards end them when the attempt moves on): %s", exc)
+
+    def say_term(self, why: str) -> None:
+        """Before this part sends its ranks SIGTERM: why, for the parts whose ranks stop with them (`term_why`); a
+        single-node attempt has no such parts."""
+        if not self.multi:
+            return
+        try:
+            self.r.set(gang_term_key(self.job_id, self.attempt), why, ex=KEEP_SECONDS)
+        except redis.RedisError as exc:
+            log.warning("could not say why the gang stops (the other parts report their ranks' stop): %s", exc)
+
+    def term_why(self) -> str | None:
+        """Why another part sent its ranks SIGTERM, when this part's ranks stopped with them; None: no part said."""
+        try:
+            raw = self.r.get(gang_term_key(self.job_id, self.attempt))
+        except redis.RedisError:
+            return None
+        return raw.decode() if raw is not None else None
 
     def part_over(self) -> None:
         """This part ended and leaves the job's report to another part: its lease may lapse without the part

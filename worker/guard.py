@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import redis
 
@@ -80,6 +81,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
         raise SystemExit("usage: python -m worker.guard [options] -- ARGV...")
     split = argv.index("--")
+    return parser().parse_args(argv[:split]), argv[split + 1:]
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker.guard")
     parser.add_argument("--redis", help="Redis URL; without it only the worker's death is watched")
     parser.add_argument("--job")
@@ -90,19 +95,31 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--worker-pid", type=int, default=None,
                         help="the supervising worker's pid (default: this process's parent when it starts)")
     parser.add_argument("--part", type=int, default=0, help="this node's part (node rank) of a multi-node job")
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+    return parser
+
+
+class Child(Protocol):
+    """What the guard watches: the launcher it started, or the ranks a warm trainer forked (worker/spare.py)."""
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 def main(argv: list[str]) -> int:
     args, command = parse(argv)
     worker_pid = args.worker_pid if args.worker_pid is not None else os.getppid()
+    return guard(args, subprocess.Popen(command), worker_pid)
+
+
+def guard(args: argparse.Namespace, child: Child, worker_pid: int) -> int:
+    """Watch `child` until it ends (its exit code) or the attempt can no longer be proven current (137)."""
     watch = None
     if args.redis:
         client = redis.Redis.from_url(args.redis, socket_timeout=REDIS_TIMEOUT_SECONDS,
                                       socket_connect_timeout=REDIS_TIMEOUT_SECONDS)
         valid_until = time.monotonic() + max(0.0, args.lease_expires_at - time.time())
         watch = LeaseWatch(client, args.job, args.attempt, args.owner, valid_until, args.part)
-    child = subprocess.Popen(command)
 
     def forward(signum: int, _frame: object) -> None:
         # The worker asks for a graceful stop: pass it on, the launcher forwards it to the ranks.

@@ -82,6 +82,8 @@ def parse_trainer_event(line: str) -> dict[str, Any] | None:
 
 
 SPAWNED = re.compile(r"process (\d+) spawned with command: .*--local_rank=(\d+)")
+# The warm trainer's own line (worker/spare.py): it reaps its ranks itself and names the one that failed first.
+FAILED_FIRST = re.compile(r"process \d+ \(local rank (\d+)\) failed first with exit code")
 
 
 class RankWatch:
@@ -107,6 +109,8 @@ class RankWatch:
         if m:
             with self._lock:
                 self.pids[int(m.group(1))] = int(m.group(2))
+        elif failed := FAILED_FIRST.search(line):
+            self.first_dead = int(failed.group(1))  # its reaper's word beats what /proc showed
 
     def poll(self) -> None:
         if self.first_dead is not None:

@@ -3,8 +3,10 @@
 The worker announces its node in Redis (`ft:node:<name>`, JSON, with a TTL of one lease that a thread
 renews every heartbeat) and never touches Postgres: the control plane copies the announcements into its
 `nodes` table and places jobs on them (controlplane/scheduler.py). A node whose key expired is lost and receives
-nothing. The worker consumes only its node's own Celery queue (`node.<name>`); the queues given with
-`-Q` are what it announces it serves, so a node joins with the same command line as before.
+nothing. Each announcement also says how much room the filesystem of the node's job folders has left: a node whose
+disk is full is placed on no more until an announcement finds room again. The worker consumes only its node's own
+Celery queue (`node.<name>`); the queues given with `-Q` are what it announces it serves, so a node joins with the
+same command line as before.
 
 A node's name belongs to one worker process at a time: everything downstream (its queue, its slots, the
 placements and multi-node hostfiles that name it) takes the name for one worker. The worker claims the name
@@ -38,6 +40,11 @@ from contract.protocol import NODES_SET, node_holder_key, node_key, node_queue
 log = logging.getLogger(__name__)
 
 CPU_SLOTS_DEFAULT = 2  # CPU processes a CPU-only node offers unless FT_NODE_SLOTS says otherwise
+# Why not 0: a node with a few KiB left would take an attempt that starts and then fails in its first writes (its
+# spec, DeepSpeed config, rank logs) as disk_full, a failure of the job that is the node's fault. Several times what
+# an attempt writes before its first checkpoint, and nothing beside a real disk; a job's checkpoints are its own to
+# fit (one that fills the disk fails its job as disk_full).
+MIN_FREE_BYTES_DEFAULT = 32 * 1024**2
 
 
 class NodeSettings(BaseSettings):
@@ -48,6 +55,8 @@ class NodeSettings(BaseSettings):
     kind: str | None = Field(default=None, pattern=r"^[a-z0-9_.-]{1,32}$")  # default: from the GPU's name, or cpu
     # Where the other nodes of a multi-node job reach this one (node 0's ranks listen there).
     addr: str = Field(default_factory=lambda: default_addr(), max_length=200)
+    # Below this much room on the filesystem of the node's job folders, the node announces its disk full.
+    min_free_bytes: int = Field(default=MIN_FREE_BYTES_DEFAULT, ge=0)
 
 
 def default_addr() -> str:
@@ -98,6 +107,25 @@ def describe(settings: NodeSettings, queues: list[str], jobs_max: int) -> dict[s
             "addr": settings.addr}
 
 
+def disk_state(folder: Path, min_free_bytes: int) -> dict[str, Any]:
+    """What the node announces of the filesystem that holds `folder` (its job folders): `disk_free_bytes`, the room an
+    unprivileged write still has there, and `disk_full`, whether that is below `min_free_bytes` or no inode is left
+    (either way an attempt's first write fails with ENOSPC). One statvfs per heartbeat; unknown (None, not full) where
+    it fails, so a disk that cannot be read does not stop the node's work, nor its heartbeat."""
+    for where in (folder, *folder.parents):
+        try:
+            st = os.statvfs(where)
+        except FileNotFoundError:
+            continue  # made by the node's first job: until then, the filesystem it will be made on
+        except OSError as exc:
+            log.warning("cannot read the room left on the disk of %s: %s", where, exc)
+            break
+        free = st.f_bavail * st.f_frsize  # f_bavail, not f_bfree: a worker not running as root cannot use the rest
+        no_inodes = st.f_files > 0 and st.f_favail == 0  # f_files 0: a filesystem that does not count inodes
+        return {"disk_free_bytes": free, "disk_full": free < min_free_bytes or no_inodes}
+    return {"disk_free_bytes": None, "disk_full": False}
+
+
 def instance_id() -> str:
     """This worker process, told apart from an earlier process that had the same pid (host:pid:random)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
@@ -136,12 +164,15 @@ class NameTaken(Exception):
 
 
 class Announcer:
-    """Holds the node's name for this process (`claim`), then renews its key every heartbeat; on shutdown
-    announces it as draining (placed on no more) and, once the worker has stopped, lets the name go."""
+    """Holds the node's name for this process (`claim`), then renews its key every heartbeat, with the room left on
+    its disk as `disk` reads it at that beat; on shutdown announces it as draining (placed on no more) and, once the
+    worker has stopped, lets the name go."""
 
     def __init__(self, client: redis.Redis, record: dict[str, Any], *, heartbeat: float, ttl: float,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None,
+                 disk: Callable[[], dict[str, Any]] | None = None) -> None:
         self.r, self.record, self.heartbeat, self.ttl = client, record, heartbeat, ttl
+        self.disk = disk
         self.instance = instance_id()
         # Called once, from the heartbeat thread, with the holder's id when another process took the name.
         self.on_lost = on_lost
@@ -209,7 +240,8 @@ class Announcer:
     def _renew(self) -> str | None:
         if self.lost is not None:
             return self.lost
-        record = json.dumps(self.record) if self._announcing else ""
+        # Read into this beat's copy only: drain() replaces the record from another thread.
+        record = json.dumps({**self.record, **(self.disk() if self.disk else {})}) if self._announcing else ""
         holder = self._beat(keys=[node_holder_key(self.name), node_key(self.name), NODES_SET],
                             args=[self.instance, int(self.ttl * 1000), record, self.name])
         return None if holder is None else holder.decode() if isinstance(holder, bytes) else str(holder)

@@ -70,7 +70,9 @@ class Status(str, enum.Enum):
     FAILED = JobStatus.FAILED.value
     CANCELLED = JobStatus.CANCELLED.value
     STALE = "stale"  # superseded by a newer attempt: report nothing
-    RELEASED = "released"  # the worker shut down after a checkpoint: the control plane requeues the job
+    # Handed back, not ended (the worker shut down after a checkpoint, or its node's disk was full before the
+    # launch): the control plane requeues the job, not counting a lost worker.
+    RELEASED = "released"
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Outcome:
     error: dict[str, str] | None = None
     output: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None  # why a RELEASED attempt was handed back: its `released` state says it
 
 
 def read_completion(output_dir: Path) -> dict[str, Any] | None:

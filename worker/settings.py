@@ -3,6 +3,8 @@ plane are declared once in core/settings.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from core.settings import SharedSettings
 from worker.priority import Priority
 
@@ -28,3 +30,12 @@ class WorkerSettings(SharedSettings):
     # How much of the node's CPU the launcher and ranks may take from the worker, its guards and whatever else
     # runs there (worker/priority.py): normal, low (nice 10) or idle (SCHED_IDLE; scripts.stack's default).
     trainer_priority: Priority = "low"
+    # Start a single-node attempt's ranks by forking a warm trainer (worker/spare.py) instead of through the DeepSpeed
+    # launcher's processes, each importing torch anew; multi-node attempts always use the launcher.
+    warm_trainer: bool = True
+
+    @property
+    def jobs_root(self) -> Path:
+        """The folder of this node's job folders, under its own FT_ARTIFACTS_ROOT (worker/attempt.py
+        `node_job_dir`); the node announces the room left on its filesystem (worker/node.py)."""
+        return Path(self.artifacts_root).expanduser().resolve() / "jobs"

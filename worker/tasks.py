@@ -8,7 +8,7 @@ from celery.worker import state
 
 from contract.protocol import RUN_JOB
 from worker.attempt import supervise
-from worker.celery_app import app, settings
+from worker.celery_app import announce_now, app, disk_full_now, settings
 
 
 def _shutting_down() -> bool:
@@ -20,4 +20,5 @@ def _shutting_down() -> bool:
 @app.task(name=RUN_JOB)
 def run_job(job_id: str, attempt: int, run: dict[str, Any]) -> str:
     """Run one attempt of a job; `run` is the AttemptOrder the control plane sent."""
-    return supervise(job_id=job_id, attempt=attempt, run=run, settings=settings, stopping=_shutting_down).value
+    return supervise(job_id=job_id, attempt=attempt, run=run, settings=settings, stopping=_shutting_down,
+                     announce=announce_now, disk_full=disk_full_now).value

@@ -18,6 +18,7 @@ router = APIRouter(prefix="/nodes", tags=["nodes"], route_class=StrictJSONRoute,
 
 @router.get("", response_model=NodeList, openapi_extra=scoped(Scope.JOBS_READ))
 async def list_nodes(settings: SettingsDep) -> Response:
-    """Every node ever seen: kind, queues, slots (total, free), its placed jobs, last heartbeat, state
-    (`lost`: stopped heartbeating, receives nothing; `draining`: its worker is shutting down)."""
+    """Every node ever seen: kind, queues, slots (total, free), its placed jobs, last heartbeat, the room left on its
+    disk, state (`lost`: stopped heartbeating, receives nothing; `draining`: its worker is shutting down;
+    `disk_full`: its disk has less room than its threshold, receives nothing until it has)."""
     return JSONBytes(await reads.nodes(settings.lease_grace_seconds))

@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from api.services.lengths import Survey
+from contract.protocol import NodeState
 from contract.spec import ResolvedJob
 from core import placement as rule
 
@@ -149,7 +151,7 @@ class Estimate(BaseModel):
 class NodeFit(BaseModel):
     node: str
     kind: str
-    state: str = Field(description="up, draining or lost, as GET /nodes shows it")
+    state: str = Field(description="up, draining, disk_full or lost, as GET /nodes shows it")
     slots_total: int
     slots_free: int
     fits: bool = Field(description="Whether this node could ever run its share: its queue, slots and device memory")
@@ -173,6 +175,9 @@ class DryRun(BaseModel):
     job: dict[str, Any] = Field(description="The job as a submit would store it: name, queue, request, resolved")
     estimate: Estimate
     placement: Placement = Field(description="The job against the nodes the cluster has now")
+    pairs: Survey | None = Field(default=None, description=(
+        "A dpo job's training pairs under its seq_len, counted with its tokenizer as the trainer will: kept, cut "
+        "and dropped, with tokens per side; null for a supervised job or where the API cannot read the tokenizer"))
 
 
 def placement(nodes: list[dict[str, Any]], queue: str, num_nodes: int, slots: int,
@@ -183,7 +188,7 @@ def placement(nodes: list[dict[str, Any]], queue: str, num_nodes: int, slots: in
     out, available = [], {}
     for n in nodes:
         reasons = []
-        if n["state"] == "lost":
+        if n["state"] == NodeState.LOST:
             reasons.append("the node stopped heartbeating (lost): it receives nothing")
         reasons += rule.why_never(queues=n["queues"], slots=n["slots_total"], queue=queue, need=slots)
         known = kinds.get(n["kind"])
@@ -195,7 +200,7 @@ def placement(nodes: list[dict[str, Any]], queue: str, num_nodes: int, slots: in
         available[n["name"]] = rule.free_now(free=n["slots_free"], jobs=jobs, jobs_max=jobs_max)
         out.append(NodeFit(node=n["name"], kind=n["kind"], state=n["state"], slots_total=n["slots_total"],
                            slots_free=n["slots_free"], fits=fits, reasons=reasons,
-                           free_now=fits and rule.fits_now(usable=n["state"] == "up", free=n["slots_free"],
+                           free_now=fits and rule.fits_now(usable=n["state"] == NodeState.UP, free=n["slots_free"],
                                                            jobs=jobs, jobs_max=jobs_max, need=slots)))
     able, free = sum(f.fits for f in out), sum(f.free_now for f in out)
     if able < num_nodes:

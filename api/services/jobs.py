@@ -16,7 +16,7 @@ import redis
 from api.access import Principal
 from api.deps import store_of
 from api.errors import invalid
-from api.services import inputs
+from api.services import inputs, lengths
 from api.services.estimate import DryRun, estimate, placement
 from api.services.paths import check_locations
 from api.settings import ApiSettings, quota_defaults
@@ -40,6 +40,8 @@ async def prepare(*, settings: ApiSettings, spec: JobSpec, owner: str,
     resolved = resolve(spec, limits=ResolveLimits(auto_micro_batch_tokens=settings.auto_micro_batch_tokens))
     errors = check_locations(resolved.spec, settings)
     errors += await inputs.resolve(resolved, owner, store_of(settings), files_found or {})
+    if not errors:
+        errors = await lengths.check(resolved, store_of(settings))
     if errors:
         raise invalid(errors)
     return request, resolved
@@ -55,7 +57,8 @@ async def dry_run(*, settings: ApiSettings, spec: JobSpec, caller: Principal,
                request=request, resolved=resolved.model_dump(mode="json"))
     found = estimate(resolved)
     return DryRun(owner=caller.owner, job=job, estimate=found,
-                  placement=placement(nodes, r.queue, r.num_nodes, r.num_gpus, found.gpu_bytes_per_device))
+                  placement=placement(nodes, r.queue, r.num_nodes, r.num_gpus, found.gpu_bytes_per_device),
+                  pairs=await lengths.survey(resolved, store_of(settings)))
 
 
 async def create(*, settings: ApiSettings, spec: JobSpec, caller: Principal, idempotency_key: str | None = None,

@@ -278,7 +278,9 @@ def native_method(body: FineTuningJobCreate, chosen: OpenAIHyperparameters, defa
 # Native fields (as a native 422 names them) and the OpenAI params they come from.
 PARAMS = {"model.name_or_path": "model", "model": "model", "data.train": "training_file",
           "data.validation": "validation_file", "data.format": "training_file", "name": "suffix",
-          "metadata": "metadata", "hyperparameters.seed": "seed"}
+          "metadata": "metadata", "hyperparameters.seed": "seed",
+          # OpenAI's body has no length: the deployment's (FT_OPENAI_JOB_DEFAULTS) leaves no pair of the file room.
+          "hyperparameters.seq_len": "training_file"}
 HYPERPARAMETERS = {"hyperparameters.epochs": "n_epochs", "hyperparameters.examples_per_step": "batch_size",
                    "hyperparameters.learning_rate": "learning_rate_multiplier", "method.dpo.beta": "beta"}
 

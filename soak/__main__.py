@@ -1,0 +1,5 @@
+import sys
+
+from soak.main import main
+
+sys.exit(main())
