@@ -74,7 +74,9 @@ def test_a_frozen_worker_is_fenced_and_its_job_runs_exactly_once(api: httpx.Clie
                                                                   workers: StartWorker,
                                                                   roots: dict[str, Path]) -> None:
     q = queue("freeze")
-    frozen = workers("frozen", q)
+    # Its saves linger, so that the freeze lands while attempt 1 still trains: a warm trainer runs the whole job in
+    # the seconds between the first checkpoint and the fence otherwise.
+    frozen = workers("frozen", q, {SAVE_PAUSE_ENV: "2"})
     spec = make_job(name="freeze", hyperparameters={"max_steps": 40}, resources={"queue": q},
                     checkpointing={"every_steps": 6, "keep_last": 2})
     job = api.post("/jobs", json=spec).json()
@@ -85,6 +87,7 @@ def test_a_frozen_worker_is_fenced_and_its_job_runs_exactly_once(api: httpx.Clie
     wait_for(lambda: events_of(api, job["id"], ["checkpoint"]), 240, "a committed checkpoint")
     os.kill(frozen.pid, signal.SIGSTOP)  # as a stuck host or a network partition looks from outside
     frozen_at = time.monotonic()
+    assert rank_pids(job["id"], a1), "attempt 1 ended before its worker froze: nothing was left to fence"
     workers("rescuer", q)
     # The frozen worker cannot act; its guard ends the ranks once the lease it saw has expired.
     wait_no_processes(f"{job['id']}/attempts/{a1}/", LEASE_TTL + 10,
