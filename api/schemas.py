@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from contract import codes, files
-from contract.protocol import NodeState
+from contract.protocol import NodeState, WarmTrainer
 from contract.spec import JobSpec, Shown, Text, WebhookUrl, refuse_lax_integers
 
 JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job request
@@ -27,6 +27,7 @@ JobCreate = JobSpec  # the trainer's schema is the one source of truth for a job
 JobStatusName = Literal[tuple(s.value for s in codes.JobStatus)]  # type: ignore[valid-type]
 DeliveryStatusName = Literal[tuple(s.value for s in codes.DeliveryStatus)]  # type: ignore[valid-type]
 NodeStateName = Literal[tuple(s.value for s in NodeState)]  # type: ignore[valid-type]
+WarmTrainerName = Literal[tuple(s.value for s in WarmTrainer)]  # type: ignore[valid-type]
 
 
 class Progress(BaseModel):
@@ -154,6 +155,10 @@ class Node(BaseModel):
     last_seen: datetime
     disk_free_bytes: int | None = Field(description=(
         "Room left on the disk of its job folders, as last announced; null where its worker could not read it"))
+    warm_trainer: WarmTrainerName | None = Field(description=(
+        "Its warm trainer, as last announced: ready (the next single-node attempt's ranks start from an imported "
+        "trainer), importing, or none (an attempt holds it, or FT_WARM_TRAINER=false); null from a worker that "
+        "announces none"))
     state: NodeStateName = Field(description=(
         "up; draining: its worker is shutting down; disk_full: its disk has less room than the node's "
         "FT_NODE_MIN_FREE_BYTES, so it takes no job until it has; lost: it stopped heartbeating"))

@@ -125,3 +125,13 @@ class NodeState(str, enum.Enum):
     # more, and what it was sent but had not started goes back to the queue, until an announcement finds room.
     DISK_FULL = "disk_full"
     LOST = "lost"  # not seen for the grace period after its announcement expired: it receives nothing
+
+
+class WarmTrainer(str, enum.Enum):
+    """The node's warm trainer (worker/warm.py), as its worker announces it and GET /nodes shows it. Informational:
+    a node is placed on whatever this says; an attempt that finds no ready spare waits for one importing or starts
+    the DeepSpeed launcher."""
+
+    READY = "ready"  # imported, waiting for the next single-node attempt: its ranks start in about a second
+    IMPORTING = "importing"  # started, its imports not yet done (a worker just started, or an attempt just ended)
+    NONE = "none"  # none now: an attempt holds it until it ends, or the node runs with FT_WARM_TRAINER=false

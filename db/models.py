@@ -100,6 +100,8 @@ class Node(Base):
     # The room left on the filesystem of its job folders, and whether that is below the node's FT_NODE_MIN_FREE_BYTES.
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     disk_full: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # Its warm trainer as last announced (contract.protocol.WarmTrainer); null from a worker that announces none.
+    warm_trainer: Mapped[str | None] = mapped_column(String(16), nullable=True)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
 

@@ -13,22 +13,24 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
+from contract.protocol import WarmTrainer
 from db import attempts
 from db.engine import run
 from db.models import Job
 
 Q = JobStatus.QUEUED
+WARM_TRAINER_STATES = frozenset(s.value for s in WarmTrainer)
 
 LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('ft_scheduler', 0))"
 
 UPSERT_NODE = """
 INSERT INTO nodes (name, kind, slots, devices, queues, jobs_max, draining, worker, addr, disk_free_bytes, disk_full,
-                   first_seen, last_seen)
-VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, $10, $11, now(), now())
+                   warm_trainer, first_seen, last_seen)
+VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, $10, $11, $12, now(), now())
 ON CONFLICT (name) DO UPDATE SET kind = EXCLUDED.kind, slots = EXCLUDED.slots, devices = EXCLUDED.devices,
     queues = EXCLUDED.queues, jobs_max = EXCLUDED.jobs_max, draining = EXCLUDED.draining,
     worker = EXCLUDED.worker, addr = EXCLUDED.addr, disk_free_bytes = EXCLUDED.disk_free_bytes,
-    disk_full = EXCLUDED.disk_full, last_seen = now()"""
+    disk_full = EXCLUDED.disk_full, warm_trainer = EXCLUDED.warm_trainer, last_seen = now()"""
 NODES = """
 SELECT name, kind, slots, devices, queues, jobs_max, draining, addr, disk_free_bytes, disk_full,
        last_seen < now() - make_interval(secs => $1) AS gone FROM nodes ORDER BY name"""
@@ -98,8 +100,14 @@ def refresh_nodes(session: Session, announced: list[dict[str, Any]]) -> set[str]
         run(session, UPSERT_NODE, name, str(a.get("kind", "cpu"))[:32], int(a["slots"]),
             json.dumps([str(d) for d in a.get("devices", [])]), [str(q)[:64] for q in a.get("queues", [])],
             int(a.get("jobs_max", 1)), bool(a.get("draining")), str(a.get("worker", ""))[:200],
-            str(a.get("addr", "127.0.0.1"))[:200], _bytes(a.get("disk_free_bytes")), bool(a.get("disk_full")))
+            str(a.get("addr", "127.0.0.1"))[:200], _bytes(a.get("disk_free_bytes")), bool(a.get("disk_full")),
+            _warm(a.get("warm_trainer")))
     return names
+
+
+def _warm(value: Any) -> str | None:
+    # Whatever a worker announces, only a state this version knows is stored.
+    return value if value in WARM_TRAINER_STATES else None
 
 
 def _bytes(value: Any) -> int | None:

@@ -137,7 +137,7 @@ SELECT coalesce(json_agg(json_build_object(
     'slots_free', CASE WHEN n.last_seen >= now() - make_interval(secs => $1) AND NOT n.draining AND NOT n.disk_full
                        THEN n.slots - coalesce(h.used, 0) ELSE 0 END,
     'jobs', coalesce(h.jobs, '[]'::json), 'jobs_max', n.jobs_max, 'last_seen', n.last_seen,
-    'disk_free_bytes', n.disk_free_bytes,
+    'disk_free_bytes', n.disk_free_bytes, 'warm_trainer', n.warm_trainer,
     'state', CASE WHEN n.last_seen < now() - make_interval(secs => $1) THEN '{NodeState.LOST.value}'
                   WHEN n.draining THEN '{NodeState.DRAINING.value}' WHEN n.disk_full THEN '{NodeState.DISK_FULL.value}'
                   ELSE '{NodeState.UP.value}' END) ORDER BY n.name), '[]'::json)::text

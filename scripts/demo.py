@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from contract.codes import EventKind, JobStatus
+from contract.protocol import NodeState, WarmTrainer
 from ftcli.download import download
 from ftcli.http import Api
 from scripts.client import follow, progress_line, submit
@@ -86,6 +87,26 @@ def check_export(path: str) -> str:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
     return tok.decode(out[0], skip_special_tokens=True)
+
+
+def wait_for_a_warm_node(stack: Stack, key: str | None, timeout: float = 120) -> None:
+    """Until a node is up whose warm trainer is not importing (GET /nodes): the demo times its job's first step from
+    POST, and a stack started a moment ago has its worker's spare still importing torch. A node that runs without a
+    warm trainer (`none`) is waited for only until it is up."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    end, said = time.monotonic() + timeout, False
+    while time.monotonic() < end:
+        try:
+            nodes = httpx.get(f"{stack.api_url}/nodes", headers=headers, timeout=5).json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            nodes = []
+        if any(n["state"] == NodeState.UP and n.get("warm_trainer") != WarmTrainer.IMPORTING for n in nodes):
+            return
+        if not said:
+            print("waiting for the worker's node to be up with its warm trainer imported", flush=True)
+            said = True
+        time.sleep(0.5)
+    print(f"no node was up with its warm trainer imported within {timeout:.0f} s: submitting anyway", flush=True)
 
 
 def run_demo(stack: Stack, job: dict[str, Any], quiet: bool = False, key: str | None = None) -> dict[str, Any]:
@@ -162,6 +183,7 @@ def running(env: dict[str, str]) -> Iterator[Stack]:
 def main() -> int:
     env, key = prepared()
     with running(env) as stack:
+        wait_for_a_warm_node(stack, key)
         figures = run_demo(stack, json.loads(DEMO_JOB.read_text()), key=key)
         job = figures["job"]
         downloaded = None

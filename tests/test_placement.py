@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import redis
 
-from contract.protocol import NODES_SET, attempt_key, gang_stop_key, node_key
+from contract.protocol import NODES_SET, WarmTrainer, attempt_key, gang_stop_key, node_key
 from tests.helpers import events_of, job_processes, wait_for, wait_no_processes, wait_status
 from tests.preference_support import write_pairs
 
@@ -42,6 +42,8 @@ def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reas
     try:
         up = wait_for(lambda: (n := node(api, "pair")) and n["state"] == "up" and n, 60, "node pair to announce itself")
         assert up["kind"] == "cpu" and up["queues"] == ["pair"] and up["slots_total"] == 2 and up["jobs_max"] == 2
+        # Its first announcement already says whether its warm trainer is importing (the early job takes it then).
+        assert up["warm_trainer"] in (WarmTrainer.IMPORTING, WarmTrainer.READY), up
 
         second = api.post("/jobs", json=spec).json()
         third = api.post("/jobs", json=spec).json()
@@ -60,6 +62,7 @@ def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reas
         assert waiting["queued_reason"] == "waiting for 1 free cpu slots on queue pair; largest free: 0"
         busy = node(api, "pair")
         assert busy is not None and busy["slots_free"] == 0
+        assert busy["warm_trainer"] == WarmTrainer.NONE, "an attempt holds the spare until it ends"
         assert sorted(j["id"] for j in busy["jobs"]) == sorted(first_two)
 
         # A slot comes free: the waiting job takes exactly that slot.
@@ -76,6 +79,9 @@ def test_two_one_slot_jobs_share_a_two_slot_node_and_a_third_waits_with_its_reas
             assert wait_status(api, job_id, END, 30)["status"] == "cancelled"
         for job_id in (early["id"], second["id"], third["id"]):
             wait_no_processes(job_id, 10, f"every process of {job_id} gone")
+        # The attempt that held the spare ended: its replacement imports, and the idle node says when it is ready.
+        wait_for(lambda: (n := node(api, "pair")) and n["warm_trainer"] == WarmTrainer.READY, 120,
+                 "node pair's new warm trainer imported")
     finally:
         stack.stop("pair")
     # Its heartbeat stops: the node is shown as lost (after its key's TTL and the grace) and offers nothing.

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from contract.protocol import WarmTrainer
 from tests.helpers import free_port, wait_for
 from worker import warm
 from worker.attempt import trainer_env
@@ -245,3 +246,28 @@ def test_a_spare_started_before_the_worker_execs_into_celery_is_adopted(tmp_path
     after.adopt({**env, "HF_HOME": str(tmp_path)})
     assert after.take(env) is None
     wait_for(lambda: not alive(pid), 10, "the spare of another environment ended")
+
+
+def test_the_node_knows_when_its_spare_is_imported_and_when_it_has_none(tmp_path: Path, env: dict[str, str],
+                                                                        spares: warm.Spares) -> None:
+    """What the node announces (worker/node.py, GET /nodes `warm_trainer`): importing until the spare's imports are
+    done, ready then, none once an attempt took it; the ready file is the spare's to remove when it is taken, the
+    node's when it ends one."""
+    assert spares.state() == WarmTrainer.NONE
+    spares.start(env)
+    ready = spares._ready
+    assert ready is not None and spares.state() == WarmTrainer.IMPORTING  # torch is not imported in a blink
+    wait_for(lambda: spares.state() == WarmTrainer.READY, 300, "the spare's imports done")
+    assert ready.exists()
+    spare = spares.take(env)
+    assert spare is not None and spares.state() == WarmTrainer.NONE
+    answer, _ = warm.hand_over(spare, request(tmp_path, env, tmp_path / "taken", world=1))
+    assert answer == TAKEN and spare.wait(timeout=300) == 0
+    assert not ready.exists(), "a spare serving an attempt is ready no more"
+    # One ended unused (a changed environment, the worker's shutdown) leaves no ready file either.
+    spares.start(env)
+    wait_for(lambda: spares.state() == WarmTrainer.READY, 300, "the second spare's imports done")
+    second = spares._ready
+    spares.close()
+    assert second is not None and not second.exists() and spares.state() == WarmTrainer.NONE
+    assert not list((tmp_path / "jobs").glob(".warm-*"))

@@ -165,14 +165,15 @@ class NameTaken(Exception):
 
 class Announcer:
     """Holds the node's name for this process (`claim`), then renews its key every heartbeat, with the room left on
-    its disk as `disk` reads it at that beat; on shutdown announces it as draining (placed on no more) and, once the
-    worker has stopped, lets the name go."""
+    its disk as `disk` reads it at that beat and its warm trainer's state as `warm` does; on shutdown announces it as
+    draining (placed on no more) and, once the worker has stopped, lets the name go."""
 
     def __init__(self, client: redis.Redis, record: dict[str, Any], *, heartbeat: float, ttl: float,
                  on_lost: Callable[[str], None] | None = None,
-                 disk: Callable[[], dict[str, Any]] | None = None) -> None:
+                 disk: Callable[[], dict[str, Any]] | None = None,
+                 warm: Callable[[], dict[str, Any]] | None = None) -> None:
         self.r, self.record, self.heartbeat, self.ttl = client, record, heartbeat, ttl
-        self.disk = disk
+        self.disk, self.warm = disk, warm
         self.instance = instance_id()
         # Called once, from the heartbeat thread, with the holder's id when another process took the name.
         self.on_lost = on_lost
@@ -241,7 +242,8 @@ class Announcer:
         if self.lost is not None:
             return self.lost
         # Read into this beat's copy only: drain() replaces the record from another thread.
-        record = json.dumps({**self.record, **(self.disk() if self.disk else {})}) if self._announcing else ""
+        record = json.dumps({**self.record, **(self.disk() if self.disk else {}),
+                             **(self.warm() if self.warm else {})}) if self._announcing else ""
         holder = self._beat(keys=[node_holder_key(self.name), node_key(self.name), NODES_SET],
                             args=[self.instance, int(self.ttl * 1000), record, self.name])
         return None if holder is None else holder.decode() if isinstance(holder, bytes) else str(holder)

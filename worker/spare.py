@@ -50,6 +50,9 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 # Started with this argument and a long value: room in its command line's memory to name its attempt later.
 ROOM_ARGUMENT = "--room"
 ROOM = 4096
+# Started with this argument and a path: the file it creates once its imports are done (worker/warm.py reads it,
+# so that the node can announce a ready warm trainer without reading the pipe the attempt's answer comes on).
+READY_ARGUMENT = "--ready-file"
 TAKEN = "taken"
 REFUSED = "refused"
 # As deepspeed.launcher.launch's terminate_process_tree: how long ranks told to stop get before SIGKILL.
@@ -315,7 +318,15 @@ def main() -> int:
             importlib.import_module(name)
         except ImportError:
             pass  # an optional module this installation lacks: the rank imports what it needs itself
+    ready = Path(sys.argv[sys.argv.index(READY_ARGUMENT) + 1]) if READY_ARGUMENT in sys.argv else None
+    if ready is not None:
+        try:
+            ready.touch()
+        except OSError:
+            ready = None  # a full disk: the node announces no ready spare, which is all the file is for
     line = sys.stdin.readline()
+    if ready is not None:
+        ready.unlink(missing_ok=True)
     if not line.strip():
         return 0  # the worker ended (or gave this spare up) before handing it an attempt
     return serve(line)

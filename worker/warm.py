@@ -19,11 +19,13 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
+from contract.protocol import WarmTrainer
 from worker.process import kill_group
-from worker.spare import REFUSED, ROOM, ROOM_ARGUMENT, TAKEN, Request, without_rank_variables
+from worker.spare import READY_ARGUMENT, REFUSED, ROOM, ROOM_ARGUMENT, TAKEN, Request, without_rank_variables
 
 # The limits a rank inherits from the worker through the launcher; a spare sets them again per attempt, so an attempt
 # gets the worker's limits of its own start, not those of the spare's.
@@ -44,8 +46,8 @@ def current_umask() -> int:
 
 
 # `python -m worker` starts the node's spare before it builds DeepSpeed's ops and execs into Celery, so the spare
-# imports while they start; this variable hands the spare (pid, its pipes' descriptors, its environment's digest)
-# to the Celery process, which is the same process, the spare's parent still.
+# imports while they start; this variable hands the spare (pid, its pipes' descriptors, its environment's digest,
+# its ready file) to the Celery process, which is the same process, the spare's parent still.
 HANDED_DOWN = "FT_WARM_SPARE"
 
 
@@ -91,6 +93,7 @@ class Spares:
         self._lock = threading.Lock()
         self._spare: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] | None = None
+        self._ready: Path | None = None  # the file the spare creates once imported (worker/spare.py)
 
     def start(self, env: dict[str, str]) -> None:
         """Have a spare with `env` (the environment the node's attempts get) ready, unless one is."""
@@ -99,12 +102,22 @@ class Spares:
                 return
             self._drop()
             self.cwd.mkdir(parents=True, exist_ok=True)
+            # A dot-name: the node's scratch sweep passes over it, as over anything that is not a job's folder.
+            ready = self.cwd / f".warm-{uuid.uuid4().hex[:12]}"
             self._spare = subprocess.Popen([self.python, "-m", "worker.spare", "--worker-pid", str(os.getpid()),
-                                            ROOM_ARGUMENT, "." * ROOM],
+                                            READY_ARGUMENT, str(ready), ROOM_ARGUMENT, "." * ROOM],
                                            cwd=self.cwd, env=env,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            start_new_session=True)
-            self._env = env
+            self._env, self._ready = env, ready
+
+    def state(self) -> WarmTrainer:
+        """What the node announces of its spare: ready once its imports are done, importing until then."""
+        with self._lock:
+            spare, ready = self._spare, self._ready
+        if spare is None or spare.poll() is not None:
+            return WarmTrainer.NONE
+        return WarmTrainer.READY if ready is not None and ready.exists() else WarmTrainer.IMPORTING
 
     def hand_down(self) -> None:
         """Before this process execs (`python -m worker`): leave the spare to the program it becomes (`adopt`)."""
@@ -114,39 +127,47 @@ class Spares:
                 return
             for fd in (spare.stdin.fileno(), spare.stdout.fileno()):
                 os.set_inheritable(fd, True)
-            os.environ[HANDED_DOWN] = f"{spare.pid}:{spare.stdin.fileno()}:{spare.stdout.fileno()}:{digest(env)}"
+            os.environ[HANDED_DOWN] = (f"{spare.pid}:{spare.stdin.fileno()}:{spare.stdout.fileno()}:{digest(env)}:"
+                                       f"{self._ready or ''}")
 
     def adopt(self, env: dict[str, str]) -> None:
         """Take over the spare `hand_down` left, if it was started with `env`; else end it."""
         handed = os.environ.pop(HANDED_DOWN, None)
         if handed is None:
             return
-        pid, stdin_fd, stdout_fd, started_with = handed.split(":")
+        pid, stdin_fd, stdout_fd, started_with, ready = handed.split(":", 4)
         spare = Adopted(int(pid), int(stdin_fd), int(stdout_fd))
         with self._lock:
             if started_with == digest(env) and spare.poll() is None and self._spare is None:
                 self._spare, self._env = spare, env  # type: ignore[assignment]
+                self._ready = Path(ready) if ready else None
                 return
         end(spare)  # type: ignore[arg-type]
+        if ready:
+            Path(ready).unlink(missing_ok=True)
 
     def take(self, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
         """The spare, if one is alive and was started with the environment `env` (the launcher's per-rank variables
         aside); None otherwise. Either way the node has no spare until `start` is called again."""
         with self._lock:
-            spare, started_with = self._spare, self._env
-            self._spare = self._env = None
+            spare, started_with, ready = self._spare, self._env, self._ready
+            self._spare = self._env = self._ready = None
         if spare is None:
             return None
         if spare.poll() is not None or started_with is None or \
                 without_rank_variables(started_with) != without_rank_variables(env):
             end(spare)
+            if ready is not None:
+                ready.unlink(missing_ok=True)
             return None
         return spare
 
     def _drop(self) -> None:
         if self._spare is not None:
             end(self._spare)
-        self._spare = self._env = None
+        if self._ready is not None:
+            self._ready.unlink(missing_ok=True)  # the spare's own unlink is skipped when it is killed
+        self._spare = self._env = self._ready = None
 
     def close(self) -> None:
         with self._lock:
