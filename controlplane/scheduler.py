@@ -50,7 +50,10 @@ PER_QUEUE = 50  # jobs of one queue looked at per pass: a long blocked queue mus
 
 
 @dataclass
-class NodeState:
+class PlacingNode:
+    """A node as one scheduling pass places on it: what it announced, and the slots the pass has handed out so far
+    (GET /nodes shows its state as contract.protocol.NodeState)."""
+
     name: str
     kind: str
     slots: int
@@ -70,7 +73,7 @@ class NodeState:
     reserved_by: str | None = None
 
     @classmethod
-    def of(cls, row: Any, announcing: bool) -> NodeState:
+    def of(cls, row: Any, announcing: bool) -> PlacingNode:
         """The node as stored (db/placement.py `nodes`); `announcing`: its key is in Redis now."""
         up = announcing and not row.draining
         return cls(row.name, row.kind, row.slots, list(row.devices), list(row.queues), row.jobs_max,
@@ -107,7 +110,7 @@ def read_announcements(client: redis.Redis) -> list[dict[str, Any]]:
     return out
 
 
-def take_back_reason(parts: list[dict[str, Any]], nodes: dict[str, NodeState]) -> str | None:
+def take_back_reason(parts: list[dict[str, Any]], nodes: dict[str, PlacingNode]) -> str | None:
     """Why a placed job that no worker started goes back to the queue (a node of its placement is gone, draining or
     its disk full); None while every node of it may still start it."""
     gone = [p["node"] for p in parts if p["node"] not in nodes or nodes[p["node"]].gone]
@@ -117,7 +120,7 @@ def take_back_reason(parts: list[dict[str, Any]], nodes: dict[str, NodeState]) -
     return f"placed on {' and '.join(why)} before it started the job" if why else None
 
 
-def waiting_reason(need: int, count: int, queue: str, nodes: list[NodeState]) -> str:
+def waiting_reason(need: int, count: int, queue: str, nodes: list[PlacingNode]) -> str:
     serving = [n for n in nodes if queue in n.queues and n.usable]
     full = sorted(n.name for n in nodes if queue in n.queues and n.disk_full)
     if not serving and full:
@@ -153,14 +156,14 @@ class Scheduler:
             # blip of Redis), but it takes no new job: a frozen worker's key expires with the lease of its job,
             # whose requeue would otherwise go straight back to the frozen node, costing the job an attempt.
             announcing = store.refresh_nodes(session, announced)
-            nodes = {row.name: NodeState.of(row, row.name in announcing)
+            nodes = {row.name: PlacingNode.of(row, row.name in announcing)
                      for row in store.nodes(session, gone_seconds=self.settings.lease_grace_seconds
                                             + self.settings.lease_ttl_seconds)}
             changed = self._take_back(session, nodes)
             changed += self._place(session, nodes)
         return changed
 
-    def _take_back(self, session: Session, nodes: dict[str, NodeState]) -> int:
+    def _take_back(self, session: Session, nodes: dict[str, PlacingNode]) -> int:
         """Count the slots placed jobs hold; a job placed on a node that is lost, draining or whose disk is full,
         and not started there (no lease), is put back in the queue as its next attempt."""
         held = store.held(session)
@@ -182,7 +185,7 @@ class Scheduler:
             log.warning("job %s attempt %d: %s; placing it again", job_id, attempt, reason)
         return len(back)
 
-    def _place(self, session: Session, nodes: dict[str, NodeState]) -> int:
+    def _place(self, session: Session, nodes: dict[str, PlacingNode]) -> int:
         # A queue whose only nodes have a full disk is looked at too, so that its jobs say so (waiting_reason).
         served = sorted({q for n in nodes.values() if n.usable or n.disk_full for q in n.queues})
         store.mark_unserved(session, served)
@@ -215,7 +218,7 @@ class Scheduler:
         return placed
 
     @staticmethod
-    def _reserve(job_id: str, queue: str, need: int, count: int, nodes: dict[str, NodeState]) -> None:
+    def _reserve(job_id: str, queue: str, need: int, count: int, nodes: dict[str, PlacingNode]) -> None:
         """Hold back the `count` nodes of the queue closest to fitting the blocked job (nodes that could ever
         fit it; none if too few could)."""
         able = [n for n in nodes.values() if queue in n.queues and n.usable and n.slots >= need

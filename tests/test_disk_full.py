@@ -28,7 +28,7 @@ from contract.protocol import (
     part_done_key,
     released_key,
 )
-from controlplane.scheduler import NodeState as Placed
+from controlplane.scheduler import PlacingNode as Placed
 from controlplane.scheduler import take_back_reason, waiting_reason
 from tests.helpers import events_of, wait_for, wait_status
 from trainer.fence import FENCE_FILE
