@@ -33,7 +33,7 @@ from contract.spec import AttemptOrder, RunPaths, RunSpec, StoreRef
 from store import checkpoints as stored
 from store.objects import Store, error_line
 from trainer import fence, swap
-from worker import checkpoints, export_store, inputs, warm
+from worker import checkpoints, export_store, inputs, scratch, warm
 from worker.gang import GangPart
 from worker.lease import Lease, worker_id
 from worker.logpump import LineReader, RankLogTail, RankWatch, parse_trainer_event
@@ -718,27 +718,34 @@ def supervise(*, job_id: str, attempt: int, run: dict[str, Any], settings: Worke
     att = Attempt(job_id=job_id, attempt=attempt, job_dir=node_job_dir(settings, job_id), run=run, settings=settings,
                   client=r, stopping=stopping, disk_full=disk_full)
     att.lease.renew(settings.lease_ttl_seconds)
-    if r.exists(cancel_key(job_id)):
-        outcome = Outcome(Status.CANCELLED)
-    else:
-        att.pending.append((EventKind.STATE, {"status": JobStatus.STARTING, "worker": att.lease.owner}))
-        att.flush()
-        try:
-            with RUNNING:
-                outcome = att.execute()
-        except Exception as exc:  # a supervisor bug must still end the job visibly
-            if no_space(exc) and not att.launched:
-                # The node's disk, full before the launch (the fence, the spec, the logs' folder): not the job's fault.
-                log.warning("job %s attempt %s: the node's disk is full before the launch: %s", job_id, attempt, exc)
-                outcome = att.no_room(exc, announce)
-            else:
-                log.exception("supervising job %s failed", job_id)
-                # A full disk once the attempt's processes ran is named as the trainer's own ENOSPC is (worker/
-                # outcome.py), and fails the job: its own writes (checkpoints, the export) may be what filled the
-                # disk, and handed back it would fill the next node's too, or this one's again once freed, a loop
-                # that no count of lost workers ends.
-                full = no_space(exc)
-                outcome = Outcome(Status.FAILED, error={
-                    "code": FailureCode.DISK_FULL if full else FailureCode.WORKER_ERROR, "message": repr(exc)})
-    att.report(outcome)
+    with ExitStack() as held:
+        if r.exists(cancel_key(job_id)):
+            outcome = Outcome(Status.CANCELLED)
+        else:
+            att.pending.append((EventKind.STATE, {"status": JobStatus.STARTING, "worker": att.lease.owner}))
+            att.flush()
+            try:
+                # Before the job's folder is made (the fence makes it), until the attempt's end is reported: the sweep
+                # of idle folders (worker/scratch.py) passes over it meanwhile, and one under way ends first.
+                held.enter_context(scratch.in_use(settings.jobs_root, job_id,
+                                                  waiting=lambda: att.lease.renew(settings.lease_ttl_seconds)))
+                with RUNNING:
+                    outcome = att.execute()
+            except Exception as exc:  # a supervisor bug must still end the job visibly
+                if no_space(exc) and not att.launched:
+                    # The node's disk, full before the launch (the lock file, the fence, the spec, the logs' folder):
+                    # not the job's fault.
+                    log.warning("job %s attempt %s: the node's disk is full before the launch: %s", job_id, attempt,
+                                exc)
+                    outcome = att.no_room(exc, announce)
+                else:
+                    log.exception("supervising job %s failed", job_id)
+                    # A full disk once the attempt's processes ran is named as the trainer's own ENOSPC is (worker/
+                    # outcome.py), and fails the job: its own writes (checkpoints, the export) may be what filled the
+                    # disk, and handed back it would fill the next node's too, or this one's again once freed, a loop
+                    # that no count of lost workers ends.
+                    full = no_space(exc)
+                    outcome = Outcome(Status.FAILED, error={
+                        "code": FailureCode.DISK_FULL if full else FailureCode.WORKER_ERROR, "message": repr(exc)})
+        att.report(outcome)
     return outcome.status

@@ -16,7 +16,8 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 from kombu.transport import redis as kombu_redis
 
-from worker.node import Announcer, NameTaken, NodeSettings, describe, disk_state, own_queue_only
+from worker.node import Announcer, NameTaken, NodeSettings, describe, own_queue_only
+from worker.scratch import Sweeper
 from worker.settings import WorkerSettings
 
 settings = WorkerSettings()
@@ -41,6 +42,7 @@ app.conf.update(
 
 # -- the node: announce it, consume only its own queue (worker/node.py) ----------------------------
 _announcer: Announcer | None = None
+_sweeper: Sweeper | None = None
 
 
 EXIT_NAME_TAKEN = 3  # the node's name is held by another live worker (nothing was consumed)
@@ -57,14 +59,16 @@ def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
     """Before the worker consumes anything: it takes the node's name (or exits: another live worker has
     it), its queues become the node's served queues, and it takes tasks only from the node's own queue,
     where the control plane sends exactly what fits the node's slots."""
-    global _announcer
+    global _announcer, _sweeper
     node = NodeSettings()
     served = own_queue_only(instance.app.amqp.queues, node.name)
     record = describe(node, served, jobs_max=int(getattr(instance, "concurrency", 1) or 1))
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    _sweeper = Sweeper(settings, node.min_free_bytes)
     announcer = Announcer(client, record, heartbeat=settings.heartbeat_seconds, ttl=settings.lease_ttl_seconds,
-                          on_lost=_leave_node,
-                          disk=functools.partial(disk_state, settings.jobs_root, node.min_free_bytes))
+                          on_lost=_leave_node, warm=_warm_state,
+                          # Each beat sweeps the idle job folders that are due, then reads the disk (worker/scratch.py).
+                          disk=_sweeper.disk)
     while True:
         try:
             announcer.claim()
@@ -86,17 +90,23 @@ def _join_as_node(sender: str, instance: Any, **_: Any) -> None:
 
 @worker_ready.connect
 def _announce(**_: Any) -> None:
-    if _announcer is not None:
-        _announcer.start()
     from worker.attempt import warm_up
 
+    # The spare first: the node's first announcement says whether it is importing, and `none` then means none comes.
     warm_up(settings)
+    if _announcer is not None:
+        _announcer.start()
+
+
+def _warm_state() -> dict[str, str]:
+    from worker.attempt import spares
+
+    return {"warm_trainer": spares(settings).state().value}
 
 
 def disk_full_now() -> bool:
     """Whether the node's disk is full now, as its next announcement will say (worker/node.py `disk_state`)."""
-    disk = _announcer.disk if _announcer is not None else None
-    return disk is not None and bool(disk().get("disk_full"))
+    return _sweeper is not None and bool(_sweeper.read().get("disk_full"))
 
 
 def announce_now() -> None:

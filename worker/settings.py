@@ -33,6 +33,9 @@ class WorkerSettings(SharedSettings):
     # Start a single-node attempt's ranks by forking a warm trainer (worker/spare.py) instead of through the DeepSpeed
     # launcher's processes, each importing torch anew; multi-node attempts always use the launcher.
     warm_trainer: bool = True
+    # A job's folder on the node that no attempt has used for this long is removed (worker/scratch.py): what must
+    # outlive it is in the artifact store. A disk short of room has idle folders removed sooner, oldest first.
+    scratch_retention_seconds: float = 24 * 3600.0
 
     @property
     def jobs_root(self) -> Path:
