@@ -109,6 +109,22 @@ class ApiProcess:
 
 
 @contextmanager
+def api_processes(env: dict[str, str], logs: Path, count: int = 2) -> Iterator[list[ApiProcess]]:
+    """`count` API processes on one database (`env`), each started before the block; their logs must show no
+    unhandled error once they stop."""
+    procs = [ApiProcess(env, logs / f"api{i}.log") for i in range(count)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+    for p in procs:
+        assert "unhandled error" not in p.log(), p.log()[-3000:]
+
+
+@contextmanager
 def api_client(database: str, key: str, base: Path, **env: str) -> Iterator[httpx.Client]:
     """A production-mode API process of its own (keys required) on `database`, with the job roots under `base`
     (make_roots), and a client that sends `key`. Its log must show no unhandled error when it stops."""

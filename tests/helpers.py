@@ -53,6 +53,20 @@ def wait_no_processes(marker: str, timeout: float, what: str) -> None:
         raise AssertionError(f"{exc}; still running: {[p[:300] for p in left[:5]]}") from None
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the process group `pgid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                found.append(int(proc.name))
+    return found
+
+
 def job_processes(marker: str) -> list[str]:
     """Command lines of live (non-zombie) processes that mention marker (a job id or a spec path)."""
     found = []

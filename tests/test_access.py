@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from scripts.stack import ROOT, Stack
-from tests.apiproc import ApiProcess, add_key, fixed_key, fresh_database, make_roots
+from tests.apiproc import ApiProcess, add_key, api_processes, fixed_key, fresh_database, make_roots
 from tests.helpers import wait_for
 
 ADMIN_KEY = fixed_key("accessadmin")
@@ -71,17 +71,8 @@ def env(database: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="module")
 def apis(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ApiProcess]]:
-    logs = tmp_path_factory.mktemp("access-logs")
-    procs = [ApiProcess(env, logs / f"api{i}.log") for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
+    with api_processes(env, tmp_path_factory.mktemp("access-logs")) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
-    for p in procs:
-        assert "unhandled error" not in p.log(), p.log()[-3000:]
 
 
 @pytest.fixture(scope="module")

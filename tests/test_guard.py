@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from contract.protocol import attempt_key, lease_key
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, group_members, wait_for
 
 OWNER = "test-worker:1"
 
@@ -36,16 +36,7 @@ def group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    # Zombies of the group count as gone: they run nothing.
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                return True
-    return False
+    return bool(group_members(pgid))  # zombies of the group count as gone: they run nothing
 
 
 def start_guard(redis_url: str, job: str, fenced: Path, lease_seconds: float) -> subprocess.Popen[bytes]:

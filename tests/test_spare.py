@@ -18,26 +18,12 @@ from typing import Any
 import pytest
 
 from contract.protocol import WarmTrainer
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, group_members, wait_for
 from worker import warm
 from worker.attempt import trainer_env
 from worker.priority import command
 from worker.process import kill_group, wait_group_gone
 from worker.spare import RANK_VARIABLES, TAKEN, Request
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of the process group `pgid`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                found.append(int(proc.name))
-    return found
 
 
 def alive(pid: int) -> bool:
