@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,11 +47,12 @@ def say(text: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def printed_by_ranks(cluster: Cluster, job: str) -> dict[tuple[str, int, int], list[tuple[str, float]]]:
-    """(type, ts) of each trainer event in each rank's log of each attempt, on whichever node ran it."""
+def printed_by_ranks(kept: Path, job: str) -> dict[tuple[str, int, int], list[tuple[str, float]]]:
+    """(type, ts) of each trainer event in each rank's log of each attempt, on whichever node ran it, from the copies
+    the monitor kept (soak/monitor.py: a node may have swept the job's folder since)."""
     out: dict[tuple[str, int, int], list[tuple[str, float]]] = {}
-    for node in cluster.nodes:
-        for log in sorted((node.disk / "artifacts" / "jobs" / job / "attempts").glob("*/logs/*_rank*.log")):
+    for node in sorted(p for p in kept.iterdir() if p.is_dir()) if kept.is_dir() else []:
+        for log in sorted((node / job / "attempts").glob("*/logs/*_rank*.log")):
             attempt, rank = int(log.parent.parent.name), int(RANK_FILE.search(log.name).group(1))  # type: ignore[union-attr]
             events = []
             for raw in log.read_bytes().split(b"\n"):
@@ -96,7 +98,7 @@ class Soak:
         workload = Workload(self.cluster.stack.api_url, self.cluster.key, self.history, a.seed,
                             followers=a.followers, active_jobs=a.active_jobs)
         monitor = Monitor(self.cluster, self.history, lambda: set(workload.record.jobs),
-                          workload.record.terminal_since)
+                          workload.record.terminal_since, kept=self.base / "rank-logs")
         self.nemesis = Nemesis(self.cluster, self.history, self.faults, a.seed)
         self.history.start, self.history.wall_start = time.monotonic(), time.time()
         threads = [threading.Thread(target=monitor.run, name="soak-monitor", daemon=True),
@@ -154,9 +156,11 @@ class Soak:
 
         tally.add("followers_match_store", *checks.followers_match_store(record.streams, stored))
 
+        monitor.keep_rank_logs()  # what the ranks wrote since the last copy
+        kept = monitor.kept or self.base / "rank-logs"
         printed: dict[tuple[str, int, int], list[tuple[str, float]]] = {}
         for job in ids:
-            printed.update(printed_by_ranks(self.cluster, job))
+            printed.update(printed_by_ranks(kept, job))
         redis = self.nemesis.redis_windows()
         # Jobs that lived while Redis restarted empty, which may lose what its stream held (a documented limit).
         through_redis_loss = {j for j, info in record.jobs.items()

@@ -1,11 +1,14 @@
 """What the soak watches on the host while it runs: the live processes of every job (for the one-attempt and orphan
-checks), the API's and control plane's memory, and any stack process that ended by itself."""
+checks), the API's and control plane's memory, any stack process that ended by itself, and a copy of every rank's log
+(a node sweeps an ended job's folder when its disk runs short, and the no-event-lost check reads the logs at the
+end)."""
 
 from __future__ import annotations
 
 import contextlib
 import re
 import resource
+import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +74,8 @@ class Monitor:
     memory: list[MemorySample] = field(default_factory=list)
     crashes: list[str] = field(default_factory=list)
     halt: threading.Event = field(default_factory=threading.Event)
+    # Where each rank log is copied, as <node>/<job>/attempts/<n>/logs/<file>; None: not kept.
+    kept: Path | None = None
 
     def run(self) -> None:
         n = 0
@@ -80,8 +85,26 @@ class Monitor:
                 self.look(with_memory=n % 20 == 0)
                 if n % 4 == 0:
                     self.crashes += self.cluster.revive_crashed()
+                if n % 8 == 0:
+                    self.keep_rank_logs()
             except Exception as exc:  # the monitor must outlive a transient failure of what it looks at
                 self.history.add("monitor", f"look failed: {type(exc).__name__}: {exc}")
+
+    def keep_rank_logs(self) -> None:
+        """Copy each rank log that grew since the last copy; one swept meanwhile keeps its last copy."""
+        if self.kept is None:
+            return
+        for node in self.cluster.nodes:
+            jobs = node.disk / "artifacts" / "jobs"
+            for log in jobs.glob("job_*/attempts/*/logs/*_rank*.log"):
+                copy = self.kept / node.name / log.relative_to(jobs)
+                try:
+                    if copy.exists() and copy.stat().st_size == log.stat().st_size:
+                        continue
+                    copy.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log, copy)
+                except OSError:
+                    continue  # swept or still being made: the last copy stands, or the next look makes one
 
     def look(self, with_memory: bool) -> None:
         procs = processes()
