@@ -224,6 +224,32 @@ class PreferencePair:
         return sum(len(m["content"]) for m in self.prompt)
 
 
+# The length rule of a pair, the trainer's (trainer/pairs.py) and the dry run's survey of a dpo job's pairs
+# (api/services/lengths.py): the prompt is kept whole, both answers are cut to the room it leaves, and a pair is
+# dropped when the room cannot hold an answer's first token and the one it is learned from, or the cut answers are
+# the same (nothing left to prefer).
+MIN_ANSWER_TOKENS = 2
+PROMPT_TOO_LONG = "prompt_too_long"
+SAME_AFTER_TRUNCATION = "same_after_truncation"
+
+
+@dataclass(frozen=True)
+class PairCut:
+    chosen: list[int]
+    rejected: list[int]
+    truncated: bool  # at least one answer was cut at its end
+    dropped: str | None  # PROMPT_TOO_LONG or SAME_AFTER_TRUNCATION; None: the pair is kept
+
+
+def cut_pair(prompt_tokens: int, chosen: list[int], rejected: list[int], seq_len: int) -> PairCut:
+    room = seq_len - prompt_tokens
+    if room < MIN_ANSWER_TOKENS:
+        return PairCut(chosen, rejected, False, PROMPT_TOO_LONG)
+    truncated = len(chosen) > room or len(rejected) > room
+    chosen, rejected = chosen[:room], rejected[:room]
+    return PairCut(chosen, rejected, truncated, SAME_AFTER_TRUNCATION if chosen == rejected else None)
+
+
 def preference_shape(obj: Any) -> str | None:
     """"openai" or "trl" for a JSON value that carries a pair's answers in that shape's fields, else None."""
     if not isinstance(obj, dict):

@@ -22,13 +22,13 @@ from api.services.lengths import (
     counter_of,
     survey,
 )
-from contract.datasets import preference_pair
+from contract.datasets import PROMPT_TOO_LONG, preference_pair
 from contract.deepspeed import resolve
 from contract.spec import JobSpec, StoredInput
 from contract.storage import StoreConfig
 from store.objects import Store
 from tests.helpers import free_port
-from trainer.pairs import PROMPT_TOO_LONG, PairStats, _sides, encode_pair
+from trainer.pairs import PairStats, _sides, encode_pair
 from trainer.tiny import build_tokenizer
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. Name a colour: blue, green, red. "

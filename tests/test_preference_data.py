@@ -12,14 +12,12 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from contract import datasets
-from contract.datasets import NEEDS_PREFERENCE, NEEDS_SUPERVISED, PreferencePair
+from contract.datasets import NEEDS_PREFERENCE, NEEDS_SUPERVISED, PROMPT_TOO_LONG, SAME_AFTER_TRUNCATION, PreferencePair
 from trainer.data import IGNORE, encode_chat
 from trainer.dpo import scored_tokens
 from trainer.pairs import (
     CHOSEN,
-    PROMPT_TOO_LONG,
     REJECTED,
-    SAME_AFTER_TRUNCATION,
     EncodedPair,
     PairStats,
     encode_pair,

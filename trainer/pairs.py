@@ -32,13 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from contract.datasets import ASSISTANT, PreferencePair
+from contract.datasets import ASSISTANT, PreferencePair, cut_pair
 from trainer.data import IGNORE, _ids, encode_chat
 from trainer.errors import DataError
 
 CHOSEN, REJECTED = 0, 1
-PROMPT_TOO_LONG = "prompt_too_long"
-SAME_AFTER_TRUNCATION = "same_after_truncation"
 
 
 @dataclass(frozen=True)
@@ -98,27 +96,18 @@ def encode_pair(tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, seq_le
     """The pair's tokens under the length rule of this module; None for a dropped pair. Counted into `stats` where
     given."""
     prompt, chosen, rejected = _sides(tokenizer, pair)
-    reason = None
-    truncated = False
-    room = seq_len - len(prompt)
-    if room < 2:
-        reason = PROMPT_TOO_LONG
-    else:
-        truncated = len(chosen) > room or len(rejected) > room
-        chosen, rejected = chosen[:room], rejected[:room]
-        if chosen == rejected:
-            reason = SAME_AFTER_TRUNCATION
-    if reason is not None:
+    cut = cut_pair(len(prompt), chosen, rejected, seq_len)
+    if cut.dropped is not None:
         if stats is not None:
-            stats.dropped[reason] = stats.dropped.get(reason, 0) + 1
+            stats.dropped[cut.dropped] = stats.dropped.get(cut.dropped, 0) + 1
         return None
     if stats is not None:
         stats.kept += 1
-        stats.truncated += int(truncated)
+        stats.truncated += int(cut.truncated)
         stats.prompt_tokens += len(prompt)
-        stats.chosen_tokens += len(chosen)
-        stats.rejected_tokens += len(rejected)
-    return EncodedPair(prompt=prompt, chosen=chosen, rejected=rejected, truncated=truncated)
+        stats.chosen_tokens += len(cut.chosen)
+        stats.rejected_tokens += len(cut.rejected)
+    return EncodedPair(prompt=prompt, chosen=cut.chosen, rejected=cut.rejected, truncated=cut.truncated)
 
 
 def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Iterable[PreferencePair],

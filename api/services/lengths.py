@@ -46,7 +46,7 @@ CONFIG = "tokenizer_config.json"
 TEMPLATE = "chat_template.jinja"  # where transformers saves a tokenizer's template beside its config
 FILES = (TOKENIZER, CONFIG, TEMPLATE)  # what a counter is made of, wherever they are read
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-MIN_ANSWER = 2  # tokens an answer needs: trainer/pairs.py drops a pair with less room
+MIN_ANSWER = datasets.MIN_ANSWER_TOKENS
 
 
 @dataclass(frozen=True)
@@ -200,23 +200,15 @@ class Survey(BaseModel):
     def add(self, number: int, prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int) -> None:
         if self.shortest_prompt is None or len(prompt) < self.shortest_prompt:
             self.shortest_prompt, self.shortest_prompt_line = len(prompt), number
-        room = seq_len - len(prompt)
-        reason = None
-        if room < MIN_ANSWER:
-            reason = "prompt_too_long"
-        else:
-            truncated = len(chosen) > room or len(rejected) > room
-            chosen, rejected = chosen[:room], rejected[:room]
-            if chosen == rejected:
-                reason = "same_after_truncation"
-        if reason is not None:
-            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        cut = datasets.cut_pair(len(prompt), chosen, rejected, seq_len)
+        if cut.dropped is not None:
+            self.dropped[cut.dropped] = self.dropped.get(cut.dropped, 0) + 1
             if len(self.dropped_lines) < DROPPED_LINES_SHOWN:
                 self.dropped_lines.append(number)
             return
         self.pairs_kept += 1
-        self.pairs_truncated += int(truncated)
-        for side, ids in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        self.pairs_truncated += int(cut.truncated)
+        for side, ids in (("prompt", prompt), ("chosen", cut.chosen), ("rejected", cut.rejected)):
             self.tokens[side] += len(ids)
 
 
