@@ -27,6 +27,7 @@ from starlette.types import Scope
 
 from contract.problems import FieldError, SpecError
 from db import errors as db
+from db.pool import BROKEN_CONNECTION
 from store.objects import error_line
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ def install(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
     @app.exception_handler(asyncpg.InterfaceError)
     @app.exception_handler(asyncpg.exceptions.OperatorInterventionError)
     @app.exception_handler(asyncpg.exceptions.TooManyConnectionsError)
+    @app.exception_handler(BROKEN_CONNECTION)
     async def _database(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Postgres unreachable during %s %s: %s", request.method, request.url.path, type(exc).__name__)
         return unavailable("the database", request.scope["path"])

@@ -103,7 +103,7 @@ async def create(*, file_id: str, owner: str, filename: str, size: int, sha256: 
                     raise StoredBytesExceeded(owner, row["max_bytes"], int(row["used"]), size)
                 await quotas.ensure_usage(conn, owner)
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
     raise pg.unavailable()
 
 
@@ -181,5 +181,5 @@ async def delete(*, file_id: str, owner: str | None, actor: audit.Actor) -> dict
             await conn.execute(DELETE, file_id)
             await audit.record(conn, actor, AuditAction.FILE_DELETE, file_id, {"owner": row["owner"]})
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
     return view(row)

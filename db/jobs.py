@@ -117,7 +117,7 @@ async def submit(*, job: NewJob, actor: dict[str, str | None], defaults: quotas.
     except idempotency.Replay as replay:
         return replay.status, replay.body
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
 
 
 async def _insert(conn: Any, job: NewJob, args: list[Any]) -> str:
@@ -181,7 +181,7 @@ async def cancel(*, job_id: str, owner: str | None, actor: dict[str, str | None]
             await audit.record(conn, actor, AuditAction.JOB_CANCEL, job_id,
                                {"owner": row["owner"], "status_before": before})
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
 
 
 NEWEST_SEQ = "SELECT coalesce(max(seq), 0) FROM job_events WHERE job_id = $1"

@@ -60,7 +60,7 @@ async def create(*, owner: str, scopes: list[str], secret_hash: bytes, prefix: s
                 "owner": owner, "scopes": scopes, "name": name,
                 "expires_at": expires_at.isoformat() if expires_at else None})
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
     return view(row)
 
 
@@ -89,7 +89,7 @@ async def revoke(*, key_id: str, actor: audit.Actor) -> tuple[dict[str, Any], by
                 row = await conn.fetchrow(REVOKE, key_id)
                 await audit.record(conn, actor, AuditAction.KEY_REVOKE, key_id, {"owner": row["owner"]})
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
     return view(row), bytes(row["secret_hash"])
 
 

@@ -22,16 +22,20 @@ from core.settings import StoreSettings
 from db.errors import Unavailable
 from db.urls import dsn
 
+# What a connection whose link broke mid-operation (Postgres restarting under it) raises on its next use: asyncpg's
+# protocol is still in the lost operation's state ("cannot switch to state ...; another operation is in progress").
+BROKEN_CONNECTION = asyncpg.exceptions._base.InternalClientError
 # What an unreachable or restarting Postgres raises here; each is answered 503, never 500.
 UNREACHABLE: tuple[type[BaseException], ...] = (
     OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
-    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError)
+    asyncpg.exceptions.OperatorInterventionError, asyncpg.exceptions.TooManyConnectionsError, BROKEN_CONNECTION)
 
 log = logging.getLogger(__name__)
 
 _pool: asyncpg.Pool | None = None
 _lock: asyncio.Lock | None = None
 _config: dict[str, Any] = {}
+_expiring: set[asyncio.Task[None]] = set()  # referenced until done: the loop keeps only weak references to tasks
 
 
 def configure(*, database_url: str, pool_size: int = 10) -> None:
@@ -73,7 +77,13 @@ async def close() -> None:
         _pool = None
 
 
-def unavailable() -> Unavailable:
+def unavailable(exc: BaseException | None = None) -> Unavailable:
+    if isinstance(exc, BROKEN_CONNECTION) and _pool is not None:
+        # Every connection opened before the restart may be in such a state: from the loop's next turn the pool closes
+        # each as it is next acquired or released and opens a new one. Called while that exception is handled.
+        _expiring.add(asyncio.get_running_loop().create_task(_pool.expire_connections()))
+        for task in [t for t in _expiring if t.done()]:
+            _expiring.discard(task)
     return Unavailable()
 
 
@@ -81,28 +91,28 @@ async def fetchval(sql: str, *args: Any) -> Any:
     try:
         return await (await pool()).fetchval(sql, *args)
     except UNREACHABLE as exc:
-        raise unavailable() from exc
+        raise unavailable(exc) from exc
 
 
 async def fetchrow(sql: str, *args: Any) -> asyncpg.Record | None:
     try:
         return await (await pool()).fetchrow(sql, *args)
     except UNREACHABLE as exc:
-        raise unavailable() from exc
+        raise unavailable(exc) from exc
 
 
 async def fetch(sql: str, *args: Any) -> list[asyncpg.Record]:
     try:
         return await (await pool()).fetch(sql, *args)
     except UNREACHABLE as exc:
-        raise unavailable() from exc
+        raise unavailable(exc) from exc
 
 
 async def execute(sql: str, *args: Any) -> str:
     try:
         return await (await pool()).execute(sql, *args)
     except UNREACHABLE as exc:
-        raise unavailable() from exc
+        raise unavailable(exc) from exc
 
 
 PING = "SELECT 1"

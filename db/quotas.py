@@ -50,7 +50,7 @@ async def get(*, owner: str, defaults: Limits, stored_default: int | None) -> di
         async with (await pg.pool()).acquire() as conn:
             return await _get(conn, owner, defaults, stored_default)
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
 
 
 async def _get(conn: asyncpg.Connection, owner: str, defaults: Limits, stored_default: int | None) -> dict[str, Any]:
@@ -77,4 +77,4 @@ async def put(*, owner: str, max_active_jobs: int | None, max_gpus: int | None, 
                     "max_active_jobs": max_active_jobs, "max_gpus": max_gpus, "max_stored_bytes": max_stored_bytes})
             return await _get(conn, owner, defaults, stored_default)
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc

@@ -62,7 +62,7 @@ async def put_owner(*, owner: str, url: str | None, rotate: bool, sealed: str, p
             row = await conn.fetchrow(PUT_OWNER, owner, url, sealed, rotate, prefix)
             await audit.record(conn, actor, AuditAction.WEBHOOK_SET, owner, {"url": url, "secret_made": bool(row[1])})
     except pg.UNREACHABLE as exc:
-        raise pg.unavailable() from exc
+        raise pg.unavailable(exc) from exc
     return json.loads(row[0]), bool(row[1])
 
 
