@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 
 EVENTS_STREAM = "ft:events"
+# A stream entry's own key, the publisher's (worker/publisher.py): an entry sent again after a lost reply carries the
+# same key, and the ingester stores an event per key, not per stream entry.
+EVENT_KEY_FIELD = "key"
 RUN_JOB = "worker.run_job"  # the Celery task that runs one attempt (worker/tasks.py)
 INGEST_GROUP = "ingest"
 

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.codes import PREFERENCE_METRICS, TERMINAL_STATUSES, EventKind, JobStatus
-from contract.protocol import EVENTS_STREAM, StateField
+from contract.protocol import EVENT_KEY_FIELD, EVENTS_STREAM, StateField
 from db import attempts, journal
 from db.models import Job, JobEvent
 
@@ -131,17 +131,28 @@ def _data(fields: dict[str, str]) -> dict[str, Any]:
     return _clean(data)
 
 
+SOURCE_ID_LENGTH = JobEvent.__table__.c.source_id.type.length  # type: ignore[attr-defined]
+
+
+def source_of(entry_id: str, fields: dict[str, str]) -> str:
+    """What an event is stored once under (`source_id`): the key its publisher gave it, which an entry sent again
+    after a lost reply repeats; the stream entry's id for an entry without one."""
+    key = fields.get(EVENT_KEY_FIELD, "")
+    return key if 0 < len(key) <= SOURCE_ID_LENGTH else entry_id
+
+
 def store(session: Session, entries: list[tuple[str, dict[str, str]]]) -> None:
     """Store a batch of stream entries (id, fields): each event in the job's log, and what it means in the job's
     row; an entry already stored (its id is a `source_id`) is skipped."""
-    ids = [eid for eid, _ in entries]
-    seen = set(session.scalars(select(JobEvent.source_id).where(JobEvent.source_id.in_(ids))))
+    keyed = [(source_of(eid, fields), fields) for eid, fields in entries]
+    seen = set(session.scalars(select(JobEvent.source_id).where(JobEvent.source_id.in_([k for k, _ in keyed]))))
     by_job: dict[str, list[tuple[str, dict[str, str]]]] = defaultdict(list)
-    for eid, fields in entries:
+    for eid, fields in keyed:
         if not fields:
             log.error("stream entry %s was trimmed from %s before it was stored: its event is lost", eid,
                       EVENTS_STREAM)
         elif eid not in seen and "job_id" in fields:
+            seen.add(eid)  # the same event sent twice within one batch
             by_job[fields["job_id"]].append((eid, fields))
     for job_id in sorted(by_job):  # a fixed lock order: two ingesters can never deadlock
         job = attempts.locked(session, job_id)

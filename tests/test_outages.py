@@ -8,12 +8,15 @@ line exactly once, in order, with gap-free ids.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -38,6 +41,7 @@ from tests.outage_support import (
     stored_events,
     trainer_event_count,
 )
+from worker.publisher import Publisher
 
 ENDED = {"succeeded", "failed", "cancelled"}
 POSTGRES_OUTAGE_SECONDS = 6.0
@@ -340,6 +344,75 @@ def test_d_an_event_postgres_refuses_does_not_stall_ingestion(oapi: httpx.Client
     assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
     assert "is dropped" in log_of(outage_stack, "controlplane"), "the event Postgres refuses is named in the log"
     assert_alive(outage_stack, "controlplane")
+
+
+class LostReplies:
+    """A TCP relay to Redis that, once `lose` is set, passes what the client sends and never what Redis answers,
+    then drops the client: a link cut after Redis did the work, before the client heard."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.lose = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if replies and self.lose.is_set():
+                    time.sleep(0.3)  # whatever else of the request is on its way reaches Redis too
+                    dst.close()
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_f_events_sent_again_after_a_lost_reply_are_stored_once(oapi: httpx.Client, outage_stack: Stack,
+                                                                 pg: PrivatePostgres, private_redis: PrivateRedis,
+                                                                 make_job: Callable[..., Any]) -> None:
+    """The worker's publisher keeps what Redis did not acknowledge and sends it again; when Redis had added it and
+    only the reply was lost, the entries are in the stream twice and each event must be stored once."""
+    job = submit(oapi, make_job(name="lost-reply", resources={"queue": "nobody-serves-this"}))
+    relay = LostReplies(private_redis.port)
+    added_before = private_redis.client().xinfo_stream(EVENTS_STREAM)["entries-added"]
+    try:
+        pub = Publisher(redis.Redis(port=relay.port, socket_timeout=2, retry_on_timeout=False), job["id"], 1)
+        pending = [("log", {"rank": 0, "line": f"line {i}"}) for i in range(3)]
+        pub.emit_many(pending[:1])
+        relay.lose.set()
+        with pytest.raises(redis.RedisError):
+            pub.emit_many(pending[1:])
+        relay.lose.clear()
+        pub.emit_many(pending[1:])  # as worker/attempt.py's flush does: what was not acknowledged, again
+    finally:
+        relay.close()
+    # Redis took the batch whose reply was lost: the two lines are in the stream twice.
+    assert private_redis.client().xinfo_stream(EVENTS_STREAM)["entries-added"] - added_before == 5
+    lines = [("log", {"rank": 0, "line": f"line {i}"}) for i in range(3)]
+    wait_for(lambda: [(e["type"], e["data"]) for e in stored_events(pg.dsn, job["id"])][1:] == lines, 30,
+             "the three lines stored")
+    time.sleep(1.0)  # had a copy been stored too, it would be by now
+    got = [(e["type"], e["data"]) for e in stored_events(pg.dsn, job["id"])]
+    assert got[1:] == lines, got
+    assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
 
 
 def test_e_events_after_the_end_are_kept_but_change_nothing(oapi: httpx.Client, outage_stack: Stack,

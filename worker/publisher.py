@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import redis
 
-from contract.protocol import EVENTS_STREAM
+from contract.protocol import EVENT_KEY_FIELD, EVENTS_STREAM
 from core.serverpaths import ServerPaths
 
 # Bounds the live stream; the control plane copies every entry into Postgres long before this trims.
@@ -25,20 +26,26 @@ class Publisher:
         # The stream id of the last event this publisher added: what the control plane must have ingested
         # before it acts on a hand-back (controlplane/reaper.py), lest the attempt's last events arrive superseded.
         self.last_id: str | None = None
+        # Each event's key (EVENT_KEY_FIELD): this publisher's token and the event's place in its order. A call whose
+        # reply was lost (a link cut after Redis added the entries) is sent again with the same keys, and the ingester
+        # stores each key once (db/ingest.py), so no event is stored twice.
+        self.token = uuid.uuid4().hex[:16]
+        self.sent = 0  # events acknowledged by Redis
 
-    def _fields(self, kind: str, data: dict[str, Any]) -> dict[str, str]:
+    def _fields(self, kind: str, data: dict[str, Any], place: int) -> dict[str, str]:
         return {"job_id": self.job_id, "attempt": str(self.attempt), "type": kind,
-                "ts": repr(time.time()), "data": json.dumps(self.paths.value(data), default=str)}
-
-    def emit(self, kind: str, **data: Any) -> None:
-        added = self.client.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
-        self.last_id = added.decode() if isinstance(added, bytes) else str(added)
+                "ts": repr(time.time()), "data": json.dumps(self.paths.value(data), default=str),
+                EVENT_KEY_FIELD: f"{self.token}-{place}"}
 
     def emit_many(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """Add `items` to the stream, in order. After a call that raised, the next must start with the same items
+        (the caller's unsent list, in order): Redis may have added some or all of them."""
         if not items:
             return
         pipe = self.client.pipeline(transaction=False)
-        for kind, data in items:
-            pipe.xadd(EVENTS_STREAM, self._fields(kind, data), maxlen=STREAM_MAXLEN, approximate=True)
+        for i, (kind, data) in enumerate(items):
+            pipe.xadd(EVENTS_STREAM, self._fields(kind, data, self.sent + i), maxlen=STREAM_MAXLEN,
+                      approximate=True)
         added = pipe.execute()[-1]
+        self.sent += len(items)
         self.last_id = added.decode() if isinstance(added, bytes) else str(added)
