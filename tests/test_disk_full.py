@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis
 
+from contract.codes import FailureCode
 from contract.protocol import (
     NodeState,
     attempt_key,
@@ -249,3 +250,25 @@ def test_an_attempt_that_finds_its_nodes_disk_full_before_the_launch_is_handed_b
         assert any("disk is full" in line for line in logs), logs
     finally:
         stack.stop("enospc")
+
+
+@needs_dev_full
+def test_a_write_the_disk_refuses_is_named_disk_full_by_the_trainer() -> None:
+    """What a checkpoint's save raises on a full disk, provoked for real through /dev/full: torch's archive writer
+    says only "unexpected pos" (no OSError), a plain write says ENOSPC; the trainer reports both as disk_full."""
+    import torch
+
+    from trainer.__main__ import _error_code
+
+    with pytest.raises(RuntimeError) as saved:
+        torch.save({"weights": torch.zeros(100_000)}, "/dev/full")
+    with pytest.raises(OSError) as written, open("/dev/full", "wb") as f:  # noqa: PT012
+        f.write(b"x" * 1_000_000)
+        f.flush()
+    assert _error_code(saved.value) == FailureCode.DISK_FULL, saved.value
+    assert _error_code(written.value) == FailureCode.DISK_FULL, written.value
+    try:
+        raise RuntimeError("the checkpoint could not be saved") from written.value
+    except RuntimeError as wrapped:
+        assert _error_code(wrapped) == FailureCode.DISK_FULL
+    assert _error_code(RuntimeError("unexpected pos, said a test")) == FailureCode.TRAINER_ERROR

@@ -6,6 +6,7 @@ Exit codes: contract/codes.py `TrainerExit`.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import traceback
 
@@ -19,11 +20,28 @@ from trainer.events import emit
 def _error_code(exc: BaseException) -> str:
     if isinstance(exc, TrainerError):
         return exc.code
+    if wrote_to_a_full_disk(exc):
+        return FailureCode.DISK_FULL
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
         return FailureCode.OUT_OF_MEMORY
     return TrainerError.code
+
+
+def wrote_to_a_full_disk(exc: BaseException) -> bool:
+    """A write the filesystem refused for room: ENOSPC or EDQUOT anywhere in the exception's chain, or torch's
+    archive writer's own word for a short write (a checkpoint's torch.save on a full disk raises no OSError)."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain's depth, bounded: a cycle in it must not hang the error report
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(seen, RuntimeError) and "inline_container.cc" in str(seen) and "unexpected pos" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
