@@ -27,6 +27,8 @@ import httpx
 import psycopg
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 from db.ingest import _clean, apply_event
@@ -394,7 +396,8 @@ def test_f_events_sent_again_after_a_lost_reply_are_stored_once(oapi: httpx.Clie
     relay = LostReplies(private_redis.port)
     added_before = private_redis.client().xinfo_stream(EVENTS_STREAM)["entries-added"]
     try:
-        pub = Publisher(redis.Redis(port=relay.port, socket_timeout=2, retry_on_timeout=False), job["id"], 1)
+        # No retry of the client's own: the publisher's caller is what sends again here.
+        pub = Publisher(redis.Redis(port=relay.port, socket_timeout=2, retry=Retry(NoBackoff(), 0)), job["id"], 1)
         pending = [("log", {"rank": 0, "line": f"line {i}"}) for i in range(3)]
         pub.emit_many(pending[:1])
         relay.lose.set()
