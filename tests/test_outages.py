@@ -34,6 +34,7 @@ from contract.protocol import EVENTS_STREAM, INGEST_GROUP
 from db.ingest import _clean, apply_event
 from db.models import Job
 from scripts.stack import ROOT, Stack, database_exists_or_create, migrate
+from soak.proxy import ProxyHub
 from tests.helpers import events_of, free_port, wait_for, wait_no_processes, wait_status
 from tests.outage_support import (
     PrivatePostgres,
@@ -416,6 +417,51 @@ def test_f_events_sent_again_after_a_lost_reply_are_stored_once(oapi: httpx.Clie
     got = [(e["type"], e["data"]) for e in stored_events(pg.dsn, job["id"])]
     assert got[1:] == lines, got
     assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+
+
+def test_g_an_attempt_fenced_while_cut_from_redis_still_publishes_what_its_ranks_printed(
+        oapi: httpx.Client, outage_stack: Stack, pg: PrivatePostgres, private_redis: PrivateRedis,
+        roots: dict[str, Path], make_job: Callable[..., Any]) -> None:
+    """A node's link to Redis drops every packet: its guard fences the attempt once the lease can no longer be proven,
+    and the job is cancelled meanwhile, so no newer attempt supersedes it. What the ranks printed while the worker
+    could not publish is the job's history: once the link is back, every rank-0 line is stored, once and in order."""
+    hub = ProxyHub()
+    link = hub.add("cutnode->redis", private_redis.port)
+    queue = "cut-node"
+    outage_stack.start_worker("cutnode", queue, env={"FT_REDIS_URL": f"redis://127.0.0.1:{link.port}/0"})
+    try:
+        job = submit(oapi, make_job(name="fenced-while-cut", hyperparameters={"max_steps": 5000},
+                                    resources={"queue": queue}))
+        directory = job_dir(roots, job["id"])
+        wait_progress(directory, 1)
+        wait_status(oapi, job["id"], {"running"}, timeout=60)
+        hub.set(link.name, "drop")
+        printed_at_cut = trainer_event_count(directory, 1)
+        assert oapi.post(f"/jobs/{job['id']}/cancel").json()["status"] == "cancelling"
+        # The guard kills the ranks when the last lease it saw expires; the control plane, finding the lease gone,
+        # ends the cancelling job on attempt 1.
+        wait_for(lambda: any((directory / "attempts" / "1").glob("FENCED*")), 60, "the guard's fence")
+        assert wait_status(oapi, job["id"], ENDED, timeout=60)["status"] == "cancelled"
+        printed = trainer_event_count(directory, 1)
+        assert printed > printed_at_cut, "the ranks should have trained on while the link was down"
+        hub.set(link.name, "pass")
+
+        def all_stored() -> bool:
+            try:
+                compare_with_rank0(pg.dsn, job["id"], directory, 1)
+            except AssertionError:
+                return False
+            return True
+
+        wait_for(all_stored, 90, "every rank-0 line of the fenced attempt stored")
+        counts = compare_with_rank0(pg.dsn, job["id"], directory, 1)
+        assert states(pg.dsn, job["id"])[-1] == (1, "cancelled")
+        no_orphans(job["id"])
+        figure("fenced_while_cut", trainer_events_at_cut=printed_at_cut, trainer_events_printed=printed,
+               rank0_lines_compared=counts["rank0"])
+    finally:
+        outage_stack.stop("cutnode")
+        hub.close()
 
 
 def test_e_events_after_the_end_are_kept_but_change_nothing(oapi: httpx.Client, outage_stack: Stack,

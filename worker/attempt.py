@@ -573,6 +573,7 @@ class Attempt:
         if outcome.status is Status.FAILED and self.gang.multi and self.another_part_reports():
             return
         if outcome.status is Status.STALE:
+            self.publish_rest()
             return
         if outcome.status is Status.RELEASED:
             self.hand_back(outcome.reason or SHUT_DOWN)
@@ -639,17 +640,32 @@ class Attempt:
         # try, so that once Redis is back the control plane sees this worker alive (and does not requeue
         # the job) before it reads the state. The lease then stays a while: the terminal state must be
         # ingested before a missing lease could look like a dead worker.
+        if not self.flush_until_sent(lambda: self.lease.renew(self.settings.lease_ttl_seconds * 6)):
+            log.error("job %s attempt %s: could not report %s for %.0f s; the control plane will requeue it",
+                      self.job_id, self.attempt, outcome.status.value, self.settings.report_retry_seconds)
+
+    def publish_rest(self) -> None:
+        """The attempt is no longer this worker's to report (its guard fenced it for a lease it could not see, a
+        newer attempt holds the job, another node's part reports), but what its ranks printed and Redis has not
+        taken yet is still sent: while the attempt is the job's current one (a job cancelled while the guard fenced
+        it stays on it), that is the job's history, and once it is superseded the ingester drops it (db/ingest.py).
+        The lease is not renewed meanwhile: the control plane must stay free to requeue the job."""
+        if not self.flush_until_sent(lambda: None):
+            log.error("job %s attempt %s: %d events of the ended attempt could not be published for %.0f s",
+                      self.job_id, self.attempt, len(self.pending), self.settings.report_retry_seconds)
+
+    def flush_until_sent(self, before_each: Callable[[], None]) -> bool:
+        """Flush until Redis took every pending event, backing off while it cannot; False once
+        `report_retry_seconds` passed first."""
         give_up = time.monotonic() + self.settings.report_retry_seconds
         delay = 0.5
         while True:
-            self.lease.renew(self.settings.lease_ttl_seconds * 6)
+            before_each()
             self.flush()
             if not self.pending:
-                return
+                return True
             if time.monotonic() > give_up:
-                log.error("job %s attempt %s: could not report %s for %.0f s; the control plane will requeue it",
-                          self.job_id, self.attempt, outcome.status.value, self.settings.report_retry_seconds)
-                return
+                return False
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
