@@ -43,6 +43,30 @@ def fresh_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextmanager
+def admin_database(key: str, owner: str) -> Iterator[str]:
+    """`fresh_database` with `key` stored as an admin key of `owner`."""
+    with fresh_database() as url:
+        add_key(url, key, owner=owner)
+        yield url
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def parked() -> str:
+    """A queue of the test's own that no worker serves: its jobs wait, counted, for as long as the test needs."""
+    return "parked-" + uuid.uuid4().hex[:8]
+
+
+def parked_job(name: str, queue: str | None = None, num_gpus: int = 1) -> dict[str, object]:
+    """A tiny job's body for a queue no worker serves (`queue`, else a fresh one)."""
+    return {"name": name, "model": "tiny", "data": {"train": "train.txt"},
+            "hyperparameters": {"max_steps": 2, "global_batch_size": 2, "seq_len": 8},
+            "resources": {"num_gpus": num_gpus, "queue": queue or parked()}}
+
+
 def fixed_key(label: str) -> str:
     """A well-formed API key whose secret a test chooses (so it can name it at import time, in parameters)."""
     return "ftk_" + (label * 43)[:43]

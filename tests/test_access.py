@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
@@ -29,32 +28,30 @@ import pytest
 import redis
 
 from scripts.stack import ROOT, Stack
-from tests.apiproc import ApiProcess, add_key, api_processes, fixed_key, fresh_database, make_roots
+from tests.apiproc import (
+    ApiProcess,
+    add_key,
+    admin_database,
+    api_processes,
+    auth,
+    fixed_key,
+    make_roots,
+    parked,
+    parked_job,
+)
 from tests.helpers import wait_for
 
 ADMIN_KEY = fixed_key("accessadmin")
 CACHE_TTL = 300  # far beyond any wait below: only the revocation notification can make a key fail in time
 
 
-def job_body(queue: str, name: str = "access", num_gpus: int = 1) -> dict[str, Any]:
-    return {"name": name, "model": "tiny", "data": {"train": "train.txt"},
-            "hyperparameters": {"max_steps": 2, "global_batch_size": 2, "seq_len": 8},
-            "resources": {"num_gpus": num_gpus, "queue": queue}}
-
-
-def parked() -> str:
-    """A queue of the test's own that no worker serves."""
-    return "parked-" + uuid.uuid4().hex[:8]
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
+def job_body(queue: str, name: str = "access", num_gpus: int = 1) -> dict[str, object]:
+    return parked_job(name, queue, num_gpus)
 
 
 @pytest.fixture(scope="module")
 def database() -> Iterator[str]:
-    with fresh_database() as url:
-        add_key(url, ADMIN_KEY, owner="ops")
+    with admin_database(ADMIN_KEY, "ops") as url:
         yield url
 
 

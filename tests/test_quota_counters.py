@@ -27,27 +27,16 @@ import redis
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 from contract.protocol import EVENTS_STREAM, lease_key
 from scripts.stack import Stack
-from tests.apiproc import ApiProcess, add_key, api_processes, fixed_key, fresh_database, make_roots
+from tests.apiproc import ApiProcess, admin_database, api_processes, auth, fixed_key, make_roots, parked_job
 from tests.helpers import wait_for
 
 ADMIN_KEY = fixed_key("quotacounters")
 CLIENTS = 64
 
 
-def job_body(name: str, num_gpus: int = 1) -> dict[str, Any]:
-    return {"name": name, "model": "tiny", "data": {"train": "train.txt"},
-            "hyperparameters": {"max_steps": 2, "global_batch_size": 2, "seq_len": 8},
-            "resources": {"num_gpus": num_gpus, "queue": "parked-" + uuid.uuid4().hex[:8]}}
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 @pytest.fixture(scope="module")
 def database() -> Iterator[str]:
-    with fresh_database() as url:
-        add_key(url, ADMIN_KEY, owner="ops")
+    with admin_database(ADMIN_KEY, "ops") as url:
         yield url
 
 
@@ -144,7 +133,7 @@ def test_sixty_four_submits_at_once_against_a_quota_of_n_admit_exactly_n(
         apis: list[ApiProcess], admin: httpx.Client, new_owner: Callable[[str], tuple[str, str]], dsn: str) -> None:
     owner, key = new_owner("burst")
     admin.put(f"/owners/{owner}/quota", json={"max_active_jobs": 7}).raise_for_status()
-    answers = at_once(apis, key, lambda c, i: c.post("/jobs", json=job_body(f"b{i}")))
+    answers = at_once(apis, key, lambda c, i: c.post("/jobs", json=parked_job(f"b{i}")))
     assert sorted(r.status_code for r in answers) == [201] * 7 + [429] * (CLIENTS - 7)
     err = next(r for r in answers if r.status_code == 429).json()["error"]
     assert err["code"] == "quota_exceeded" and err["field"] == "max_active_jobs"
@@ -154,7 +143,7 @@ def test_sixty_four_submits_at_once_against_a_quota_of_n_admit_exactly_n(
         assert conn.execute("SELECT count(*) FROM jobs WHERE owner = %s", (owner,)).fetchone()[0] == 7
     # The GPU limit, on the same owner and the same counter row: 2 GPUs each, 5 allowed, 7 jobs already.
     admin.put(f"/owners/{owner}/quota", json={"max_active_jobs": 100, "max_gpus": 7 + 5}).raise_for_status()
-    answers = at_once(apis, key, lambda c, i: c.post("/jobs", json=job_body(f"g{i}", num_gpus=2)))
+    answers = at_once(apis, key, lambda c, i: c.post("/jobs", json=parked_job(f"g{i}", num_gpus=2)))
     assert sorted(r.status_code for r in answers) == [201] * 2 + [429] * (CLIENTS - 2)
     err = next(r for r in answers if r.status_code == 429).json()["error"]
     assert err["field"] == "max_gpus" and "hold 11" in err["message"] and "asks for 2" in err["message"], err
@@ -180,7 +169,7 @@ def test_the_count_follows_cancel_retry_failure_success_duplicates_and_a_control
     c = httpx.Client(base_url=apis[1].url, headers=auth(key), timeout=30)
 
     def submit(name: str) -> str:
-        answer = c.post("/jobs", json=job_body(name))
+        answer = c.post("/jobs", json=parked_job(name))
         assert answer.status_code == 201, answer.text
         return str(answer.json()["id"])
 
@@ -192,13 +181,13 @@ def test_the_count_follows_cancel_retry_failure_success_duplicates_and_a_control
         return usage(admin, owner)["active_jobs"]
 
     cancelled, retried, succeeded, stopped = (submit(n) for n in ("cancelled", "retried", "succeeded", "stopped"))
-    assert c.post("/jobs", json=job_body("fifth")).status_code == 429
+    assert c.post("/jobs", json=parked_job("fifth")).status_code == 429
     # Cancelled while queued: its slot is free at once, and a second cancel frees nothing more.
     assert c.post(f"/jobs/{cancelled}/cancel").status_code == 202
     assert c.post(f"/jobs/{cancelled}/cancel").status_code == 409
     assert active() == 3
     submit("fifth")
-    assert active() == 4 and c.post("/jobs", json=job_body("sixth")).status_code == 429
+    assert active() == 4 and c.post("/jobs", json=parked_job("sixth")).status_code == 429
 
     # Three jobs start; two hold a lease, as a live worker's would. The third's worker is lost: the reaper
     # requeues it as attempt 2 (still unfinished: still counted once) and fails it on the second loss.
@@ -234,7 +223,7 @@ def test_the_count_follows_cancel_retry_failure_success_duplicates_and_a_control
     # What the counter says is what the submit enforces: three more fit, the fourth does not.
     for i in range(3):
         submit(f"refill{i}")
-    assert c.post("/jobs", json=job_body("over")).status_code == 429
+    assert c.post("/jobs", json=parked_job("over")).status_code == 429
     assert active() == 4
     c.close()
     counters_match_the_tables(dsn)
