@@ -22,10 +22,11 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import redis
 
-from scripts.stack import ROOT, migrate
+from scripts.stack import ROOT, Stack, migrate
 from tests.conftest import PG
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 
 @contextmanager
@@ -65,6 +66,20 @@ def parked_job(name: str, queue: str | None = None, num_gpus: int = 1) -> dict[s
     return {"name": name, "model": "tiny", "data": {"train": "train.txt"},
             "hyperparameters": {"max_steps": 2, "global_batch_size": 2, "seq_len": 8},
             "resources": {"num_gpus": num_gpus, "queue": queue or parked()}}
+
+
+@contextmanager
+def controlplane_of(env: dict[str, str], logs: Path) -> Iterator[Stack]:
+    """The control plane alone, for a test's own API processes, once its first pass wrote the marker that tells a
+    Redis data loss: a submit counted before it could be re-driven as a first start's."""
+    stack = Stack(env, logs)
+    stack.start_controlplane()
+    try:
+        wait_for(lambda: redis.Redis.from_url(env["FT_REDIS_URL"]).exists("ft:controlplane:dataset"), 60,
+                 "the control plane")
+        yield stack
+    finally:
+        stack.stop()
 
 
 def fixed_key(label: str) -> str:

@@ -34,6 +34,7 @@ from tests.apiproc import (
     admin_database,
     api_processes,
     auth,
+    controlplane_of,
     fixed_key,
     make_roots,
     parked,
@@ -73,15 +74,10 @@ def apis(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture(scope="module")
-def controlplane(env: dict[str, str], redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack({**env, "FT_LOOP_INTERVAL_SECONDS": "0.2"}, tmp_path_factory.mktemp("access-cp"))
-    stack.start_controlplane()
-    # Its first pass writes the marker that tells a Redis data loss; only after it are submits counted, so
-    # no re-drive of a first start can add a message.
-    wait_for(lambda: redis.Redis.from_url(redis_url).exists("ft:controlplane:dataset"), 60, "the control plane")
-    time.sleep(1)
-    yield stack
-    stack.stop()
+def controlplane(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with controlplane_of({**env, "FT_LOOP_INTERVAL_SECONDS": "0.2"}, tmp_path_factory.mktemp("access-cp")) as stack:
+        time.sleep(1)
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,16 @@ import redis
 from contract.codes import UNFINISHED_STATUSES, JobStatus, sql_list
 from contract.protocol import EVENTS_STREAM, lease_key
 from scripts.stack import Stack
-from tests.apiproc import ApiProcess, admin_database, api_processes, auth, fixed_key, make_roots, parked_job
+from tests.apiproc import (
+    ApiProcess,
+    admin_database,
+    api_processes,
+    auth,
+    controlplane_of,
+    fixed_key,
+    make_roots,
+    parked_job,
+)
 from tests.helpers import wait_for
 
 ADMIN_KEY = fixed_key("quotacounters")
@@ -66,12 +75,9 @@ def apis(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @pytest.fixture(scope="module")
-def controlplane(env: dict[str, str], redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(env, tmp_path_factory.mktemp("quota-counters-cp"))
-    stack.start_controlplane()
-    wait_for(lambda: redis.Redis.from_url(redis_url).exists("ft:controlplane:dataset"), 60, "the control plane")
-    yield stack
-    stack.stop()
+def controlplane(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with controlplane_of(env, tmp_path_factory.mktemp("quota-counters-cp")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
