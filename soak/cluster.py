@@ -204,6 +204,24 @@ class Cluster:
             proc.wait(30)
         self.start_until_up(name)
 
+    def stop_and_restart(self, name: str, grace: float) -> bool:
+        """SIGTERM, as an operator's restart sends it, then a start again; SIGKILL where it has not ended within
+        `grace` seconds (as a deploy's own timeout does). True when it ended by itself."""
+        assert self.stack is not None
+        self.stopped.add(name)
+        self.signal(name, signal.SIGTERM)
+        proc = self.stack.procs.get(name)
+        by_itself = True
+        if proc is not None:
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                by_itself = False
+                self.signal(name, signal.SIGKILL)
+                proc.wait(30)
+        self.start_until_up(name)
+        return by_itself
+
     def start_until_up(self, name: str, timeout: float = 90.0) -> None:
         """Start it again; a worker may refuse while its killed self's node claim is still live, so retry."""
         end = time.monotonic() + timeout

@@ -249,6 +249,9 @@ class Soak:
         mem = {name: max((s.rss for s in monitor.memory if s.process == name), default=0) / 2**20
                for name in MEMORY_BOUNDS}
         print("\nfaults applied per kind: " + ", ".join(f"{k} {applied.get(k, 0)}" for k in counts([])), flush=True)
+        restarts = Counter(a.what for a in self.nemesis.applied if a.fault.kind == "sigterm")
+        if restarts:
+            print("restarts: " + ", ".join(f"{n} {what}" for what, n in sorted(restarts.items())), flush=True)
         print(f"jobs: {len(rows)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}); "
               f"{dict(status)}; failures {dict(codes)}; cancels accepted {record.cancels}; "
               f"attempts beyond the first {sum(r['attempt'] - 1 for r in rows)}")

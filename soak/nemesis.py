@@ -24,6 +24,11 @@ DELIVERER_FAULTS = {("sigkill", "controlplane"), ("sigstop", "controlplane"), ("
                     ("net_delay", "controlplane->postgres")}
 
 
+# How long an operator's restart waits for a process to end after SIGTERM before it kills it: a worker's trainers
+# checkpoint on SIGTERM within the product's term grace (30 s), then the worker hands their jobs back.
+RESTART_GRACE_SECONDS = 60.0
+
+
 def rank_processes(marker: str) -> list[tuple[int, str, int, int]]:
     """(pid, job, attempt, local rank) of every live trainer rank whose command line names `marker`."""
     found = []
@@ -104,6 +109,12 @@ class Nemesis:
             c.kill_and_restart(f.target)
             self.say(f, f"restarted as pid {c.pid(f.target)}")
             return "killed and restarted"
+        if f.kind == "sigterm":
+            self.say(f, f"SIGTERM pid {c.pid(f.target)}")
+            ended = c.stop_and_restart(f.target, RESTART_GRACE_SECONDS)
+            how = "ended by itself" if ended else f"still running after {RESTART_GRACE_SECONDS:.0f}s: SIGKILL"
+            self.say(f, f"{how}; restarted as pid {c.pid(f.target)}")
+            return f"restarted ({how})"
         if f.kind == "sigstop":
             pid = c.signal(f.target, signal.SIGSTOP)
             c.stopped.add(f.target)

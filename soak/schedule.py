@@ -14,7 +14,7 @@ seed and the fault's index, so a replay picks alike wherever the same jobs are r
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The fault kinds and the targets each applies to; `{worker}` stands for each worker node.
 SIGNAL_TARGETS = ("api", "controlplane", "{worker}", "rank")
@@ -25,7 +25,8 @@ NETWORK_LINKS = ("{worker}->redis", "{worker}->store", "controlplane->postgres")
 class Fault:
     index: int
     at: float  # seconds after the workload started
-    kind: str  # sigkill | sigstop | restart | store_down | store_slow | disk_full | net_cut | net_drop | net_delay
+    # sigkill | sigterm | sigstop | restart | store_down | store_slow | disk_full | net_cut | net_drop | net_delay
+    kind: str
     target: str  # a process (api, controlplane, a worker, rank), a service (redis, postgres, store) or a link
     duration: float  # how long it lasts before it is healed (SIGSTOP to SIGCONT, down to up); 0: a kill
 
@@ -47,11 +48,33 @@ def catalogue(workers: list[str], *, private_postgres: bool) -> list[tuple[str, 
     return pairs
 
 
+# A process's end comes in two manners: SIGKILL (a crash) or SIGTERM and a start again (an operator's restart, a
+# deploy: the API and the control plane finish what they do, a worker's trainers checkpoint and it hands its jobs
+# back). Of the processes' kills, this share are restarts; which ones is drawn from a generator of each fault's own,
+# so that the manner left every seed's times and targets as they were.
+RESTART_SHARE = 0.5
+
+
+def manner(seed: int, fault: Fault) -> Fault:
+    """`fault`, or, for a kill of a process drawn to end by an operator's restart, the same fault as a `sigterm`."""
+    if fault.kind != "sigkill" or fault.target == "rank":
+        return fault
+    if random.Random(f"{seed}/{fault.index}").random() < RESTART_SHARE:
+        return replace(fault, kind="sigterm")
+    return fault
+
+
+def drawable(workers: list[str], *, private_postgres: bool) -> set[tuple[str, str]]:
+    """Every (kind, target) pair a plan may hold: the catalogue's, and the restart of each process it may kill."""
+    pairs = set(catalogue(workers, private_postgres=private_postgres))
+    return pairs | {("sigterm", t) for kind, t in pairs if kind == "sigkill" and t != "rank"}
+
+
 # Seconds each kind lasts, drawn uniformly: long enough to outlast a lease (10 s) at the top, so that both sides of
 # the lease bound are exercised.
-DURATIONS = {"sigkill": (0.0, 0.0), "sigstop": (2.0, 16.0), "restart": (1.0, 12.0), "store_down": (3.0, 25.0),
-             "store_slow": (5.0, 25.0), "disk_full": (5.0, 20.0), "net_cut": (2.0, 16.0), "net_drop": (2.0, 16.0),
-             "net_delay": (5.0, 20.0)}
+DURATIONS = {"sigkill": (0.0, 0.0), "sigterm": (0.0, 0.0), "sigstop": (2.0, 16.0), "restart": (1.0, 12.0),
+             "store_down": (3.0, 25.0), "store_slow": (5.0, 25.0), "disk_full": (5.0, 20.0), "net_cut": (2.0, 16.0),
+             "net_drop": (2.0, 16.0), "net_delay": (5.0, 20.0)}
 
 
 def plan(seed: int, seconds: float, workers: list[str], *, private_postgres: bool = True,
@@ -69,7 +92,7 @@ def plan(seed: int, seconds: float, workers: list[str], *, private_postgres: boo
         low, high = DURATIONS[kind]
         duration = round(rng.uniform(low, high), 1)
         if t + duration > seconds:
-            return faults
+            return [manner(seed, f) for f in faults]
         first = Fault(len(faults), round(t, 1), kind, target, duration)
         faults.append(first)
         t += duration + max(1.0, rng.expovariate(1.0 / mean_gap))

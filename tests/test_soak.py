@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from soak import checks
+from soak import checks, schedule
 from soak.checks import (
     Answer,
     CheckpointFile,
@@ -26,7 +26,7 @@ from soak.checks import (
 )
 from soak.history import History, render
 from soak.proxy import ProxyHub
-from soak.schedule import DURATIONS, Fault, catalogue, counts, plan
+from soak.schedule import DURATIONS, Fault, counts, drawable, plan
 from store.objects import Store
 from tests.s3_support import store_config
 
@@ -49,8 +49,24 @@ def test_a_long_run_draws_every_kind_of_fault_on_every_target() -> None:
     faults = plan(7, 2 * 3600, WORKERS)
     assert all(n > 0 for n in counts(faults).values()), counts(faults)
     drawn = {(f.kind, f.target) for f in faults}
-    assert drawn == set(catalogue(WORKERS, private_postgres=True))
+    assert drawn == drawable(WORKERS, private_postgres=True)
     assert set(counts(faults)) == set(DURATIONS)
+
+
+def test_a_process_is_restarted_as_often_as_it_is_killed_and_the_manner_moves_no_fault(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    faults = plan(7, 2 * 3600, WORKERS, overlap=0.4, at_once=3)
+    ends = [f for f in faults if f.kind in ("sigkill", "sigterm") and f.target != "rank"]
+    restarts = [f for f in ends if f.kind == "sigterm"]
+    assert 0.3 < len(restarts) / len(ends) < 0.7, (len(restarts), len(ends))
+    assert {f.target for f in restarts} == {"api", "controlplane", *WORKERS}
+    assert not any(f.kind == "sigterm" and f.target == "rank" for f in faults)
+    # Without restarts the seed draws the same faults at the same times: a restart stands where a kill stood.
+    monkeypatch.setattr(schedule, "RESTART_SHARE", 0.0)
+    kills_only = plan(7, 2 * 3600, WORKERS, overlap=0.4, at_once=3)
+    assert not any(f.kind == "sigterm" for f in kills_only)
+    assert [(f.at, f.target, f.duration, "sigkill" if f.kind == "sigterm" else f.kind) for f in faults] == \
+        [(f.at, f.target, f.duration, f.kind) for f in kills_only]
 
 
 def test_an_overlapping_plan_joins_faults_on_other_targets_and_none_at_all_keeps_the_seeds_plan() -> None:
